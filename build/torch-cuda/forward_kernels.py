@@ -1,0 +1,160 @@
+"""Forward: the vocabulary sweep with an online log-sum-exp (math in ``logits.py``).
+
+Nothing of size (N, V) is written: each program keeps its rows' running statistics in registers
+and writes O(BLOCK_N) numbers per vocabulary split; a second tiny kernel merges the splits.
+"""
+
+import triton
+import triton.language as tl
+
+from .logits import logit_tile
+
+# Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
+STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_PZ, STAT_BEST = 0, 1, 2, 3, 4
+NUM_STATS = 5
+
+
+@triton.jit
+def lse_sweep_kernel(
+    hidden_ptr,  # (N, H) fp32/bf16/fp16
+    weight_ptr,  # (V, H) same dtype
+    bias_ptr,  # (V,) same dtype, or dummy
+    targets_ptr,  # (N,) int32/int64
+    stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 out
+    argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_b,
+    stride_t,
+    logit_scale,
+    softcap,
+    tiles_per_split,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    METRICS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    BF16_EMULATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
+
+    Grid (cdiv(N, BLOCK_N), SPLIT). Per row it carries the running max m, the rescaled sum of
+    exp(z - m), the target logit (from the one tile that holds the target), and with METRICS
+    the rescaled sum of exp(z - m) * z and the running argmax. All fp32, no atomics.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = tl.where(mask_n, offs_n, 0)
+    target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    z_target = tl.zeros((BLOCK_N,), tl.float32)
+    pz = tl.zeros((BLOCK_N,), tl.float32)
+    best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_N,), tl.int32)
+
+    # The last split may hold fewer tiles; the guard skips the rest (program-id-dependent loop
+    # bounds are not supported by the interpreter).
+    n_tiles = tl.cdiv(V, BLOCK_V)
+    for i in range(0, tiles_per_split):
+        vt = pid_s * tiles_per_split + i
+        if vt < n_tiles:
+            offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+            mask_v = offs_v < V
+            cols = tl.where(mask_v, offs_v, 0)
+            z = logit_tile(
+                hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
+                stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
+                HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
+            )
+            z = tl.where(mask_v[None, :], z, float("-inf"))
+            tile_max = tl.max(z, axis=1)
+            m_new = tl.maximum(m, tile_max)
+            alpha = tl.exp(m - m_new)
+            e = tl.exp(z - m_new[:, None])
+            s = s * alpha + tl.sum(e, axis=1)
+            is_target = offs_v[None, :] == target[:, None]
+            z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+            if METRICS:
+                pz = pz * alpha + tl.sum(tl.where(mask_v[None, :], e * z, 0.0), axis=1)
+                tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
+                better = tile_max > best
+                best = tl.where(better, tile_max, best)
+                best_idx = tl.where(better, vt * BLOCK_V + tile_arg, best_idx)
+            m = m_new
+
+    plane = num_splits.to(tl.int64) * N
+    base = stats_ptr + pid_s.to(tl.int64) * N + offs_n
+    tl.store(base + 0 * plane, m, mask=mask_n)
+    tl.store(base + 1 * plane, s, mask=mask_n)
+    tl.store(base + 2 * plane, z_target, mask=mask_n)
+    if METRICS:
+        tl.store(base + 3 * plane, pz, mask=mask_n)
+        tl.store(base + 4 * plane, best, mask=mask_n)
+        tl.store(argmax_ptr + pid_s.to(tl.int64) * N + offs_n, best_idx, mask=mask_n)
+
+
+@triton.jit
+def combine_kernel(
+    stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 in
+    argmax_ptr,  # (SPLIT, N) int32 in
+    targets_ptr,  # (N,) int32/int64
+    lse_ptr,  # (N,) fp32 out
+    loss_ptr,  # (N,) fp32 out: lse - z_t, 0 on ignored rows, NaN for an out-of-range target
+    entropy_ptr,  # (N,) fp32 out when METRICS, 0 on ignored rows
+    correct_ptr,  # (N,) fp32 out when METRICS: 1.0 where argmax == target, 0 on ignored rows
+    N,
+    V,
+    SPLIT,
+    plane,  # SPLIT * N, from the host so it is int64 whenever it needs to be
+    stride_t,
+    ignore_index,
+    METRICS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Merges the SPLIT partial statistics of each row. Grid (cdiv(N, BLOCK),), fp32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    m_all = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for i in range(0, SPLIT):
+        m_all = tl.maximum(m_all, tl.load(stats_ptr + i * N + offs, mask=mask, other=0.0))
+    s_all = tl.zeros((BLOCK,), tl.float32)
+    z_target = tl.zeros((BLOCK,), tl.float32)
+    pz_all = tl.zeros((BLOCK,), tl.float32)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK,), tl.int32)
+    for i in range(0, SPLIT):
+        p = stats_ptr + i * N + offs
+        scale = tl.exp(tl.load(p, mask=mask, other=0.0) - m_all)
+        s_all += tl.load(p + 1 * plane, mask=mask, other=0.0) * scale
+        z_target += tl.load(p + 2 * plane, mask=mask, other=0.0)
+        if METRICS:
+            pz_all += tl.load(p + 3 * plane, mask=mask, other=0.0) * scale
+            b = tl.load(p + 4 * plane, mask=mask, other=0.0)
+            better = b > best
+            best = tl.where(better, b, best)
+            best_idx = tl.where(better, tl.load(argmax_ptr + i * N + offs, mask=mask, other=0), best_idx)
+    lse = m_all + tl.log(s_all)
+    target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - z_target, float("nan")))
+    tl.store(lse_ptr + offs, lse, mask=mask)
+    tl.store(loss_ptr + offs, loss, mask=mask)
+    if METRICS:
+        entropy = lse - pz_all / s_all
+        tl.store(entropy_ptr + offs, tl.where(ignored, 0.0, entropy), mask=mask)
+        hit = (best_idx.to(tl.int64) == target).to(tl.float32)
+        tl.store(correct_ptr + offs, tl.where(ignored, 0.0, hit), mask=mask)

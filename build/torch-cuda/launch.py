@@ -1,0 +1,173 @@
+"""Host side: allocate, pick a configuration, launch. No validation here (``validate.py``), no autograd
+(``autograd.py``), no host synchronisation: every size comes from shapes, never from tensor values."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import configs
+from .backward_kernels import dlogits_kernel, matmul_kernel
+from .forward_kernels import NUM_STATS, combine_kernel, lse_sweep_kernel
+from .validate import Options
+
+_COMBINE_BLOCK = 256  # rows per program of the merge kernel; it is memory-bound and tiny
+
+
+def _new(shape, dtype, device) -> torch.Tensor:
+    """torch.empty, or NaN-filled when FUSED_LINEAR_CE_POISON=1 so an unwritten element fails loudly."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    """BF16_EMULATION: bf16 under the interpreter, whose tl.dot and fp32->bf16 cast are not the
+    GPU's (see ``logits.round_to`` / ``logits.logit_tile``)."""
+    return dict(
+        BF16_EMULATION=configs.interpreted() and dtype == torch.bfloat16,
+        INPUT_PRECISION=configs.input_precision(dtype),
+    )
+
+
+def _bias_args(bias, like):
+    return (bias, bias.stride(0)) if bias is not None else (like, 0)
+
+
+@dataclass
+class RowStats:
+    """Per-row results of the forward sweep, all fp32 of shape (N,)."""
+
+    loss: torch.Tensor  # lse - z_target; 0 on ignored rows; NaN for an out-of-range target
+    lse: torch.Tensor
+    entropy: torch.Tensor | None  # with metrics only; 0 on ignored rows
+    correct: torch.Tensor | None  # with metrics only; 1.0 where argmax == target
+
+
+def forward(hidden, weight, targets, bias, opts: Options) -> RowStats:
+    """The vocabulary sweep: per-row loss, log-sum-exp and (optionally) metrics, O(N) memory."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    device = hidden.device
+    metrics = opts.return_metrics
+    loss = _new((n,), torch.float32, device)
+    lse = _new((n,), torch.float32, device)
+    entropy = _new((n,), torch.float32, device) if metrics else None
+    correct = _new((n,), torch.float32, device) if metrics else None
+    if n == 0:
+        return RowStats(loss, lse, entropy, correct)
+
+    cfg = configs.sweep_config(hidden.dtype)
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    n_tiles = triton.cdiv(v, cfg.block_v)
+    splits = configs.vocab_splits(n_blocks, n_tiles, device)
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
+    stats = _new((NUM_STATS, splits, n), torch.float32, device)
+    argmax = _new((splits, n), torch.int32, device) if metrics else stats
+    bias_arg, stride_b = _bias_args(bias, hidden)
+    softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+
+    lse_sweep_kernel[(n_blocks, splits)](
+        hidden, weight, bias_arg, targets, stats, argmax,
+        n, v, h,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
+        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(hidden.dtype),
+    )
+    combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
+        stats, argmax, targets, lse, loss,
+        entropy if metrics else loss, correct if metrics else loss,
+        n, v, splits, splits * n, targets.stride(0), opts.ignore_index,
+        METRICS=metrics, BLOCK=_COMBINE_BLOCK,
+    )
+    return RowStats(loss, lse, entropy, correct)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool) -> None:
+    """c = a @ b (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any strides."""
+    m, k = a.shape
+    p = b.shape[1]
+    if m == 0 or p == 0:
+        return
+    cfg = configs.matmul_config(a.dtype)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
+    matmul_kernel[grid](
+        a, b, c, m, p, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0,
+        EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(a.dtype),
+    )
+
+
+def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_dx, need_dw, need_db):
+    """Recompute backward over blocks of the (N, V) plane (``configs.plan_backward``). Per block:
+    da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
+    grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
+    sums across blocks go through an fp32 buffer unless the gradient is fp32 itself.
+    Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dtype, device = hidden.dtype, hidden.device
+    cfg = configs.sweep_config(dtype)
+    plan = configs.plan_backward(n, v, h, dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v)
+    n_row_blocks = triton.cdiv(n, plan.rows) if n else 0
+    n_col_blocks = triton.cdiv(v, plan.cols)
+
+    def gradient(shape, summed_over_blocks):
+        """The gradient tensor, and where the products accumulate into it (fp32)."""
+        out = _new(shape, dtype, device)
+        if summed_over_blocks and dtype != torch.float32:
+            return out, _new(shape, torch.float32, device)
+        return out, out
+
+    grad_hidden = dx_acc = grad_weight = dw_acc = None
+    if need_dx:
+        grad_hidden, dx_acc = gradient((n, h), n_col_blocks > 1)
+    if need_dw:
+        grad_weight, dw_acc = gradient((v, h), n_row_blocks > 1)
+        if n == 0:
+            dw_acc.zero_()
+    db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
+
+    if n > 0:
+        dlogits = _new((plan.rows, plan.cols), dtype, device)
+        dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if need_db else lse
+        bias_arg, stride_b = _bias_args(bias, hidden)
+        softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+        for row0 in range(0, n, plan.rows):
+            r = min(plan.rows, n - row0)
+            for col0 in range(0, v, plan.cols):
+                c = min(plan.cols, v - col0)
+                grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
+                dlogits_kernel[grid](
+                    hidden, weight, bias_arg, targets, lse, row_grad, dlogits, dbias,
+                    row0, r, col0, c, v, h,
+                    hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
+                    targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap,
+                    opts.ignore_index,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_db,
+                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
+                    EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    **_dot_flags(dtype),
+                )
+                da = dlogits[:r, :c]
+                if need_dx:
+                    _matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], accumulate=col0 > 0)
+                if need_dw:
+                    _matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], accumulate=row0 > 0)
+            if need_db:
+                db_acc += dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
+
+    if need_dx and dx_acc is not grad_hidden:
+        grad_hidden.copy_(dx_acc)
+    if need_dw and dw_acc is not grad_weight:
+        grad_weight.copy_(dw_acc)
+    grad_bias = db_acc.to(dtype) if need_db else None
+    return grad_hidden, grad_weight, grad_bias

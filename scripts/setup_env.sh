@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what the tests need into the current python3; a fast no-op when everything is there.
+#
+# torch and triton are installed pinned, and only when missing: a bare `torch` requirement on a machine
+# without torch resolves to the newest CUDA build (several GB), while torch==2.13.0 is the CPU wheel
+# kept on this image's disk. An existing torch/triton (e.g. a CUDA build on a GPU machine) is kept.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    echo "setup_env: installing torch==2.13.0"
+    "$PYTHON" -m pip install -q "torch==2.13.0"
+fi
+if ! "$PYTHON" -c "import triton" >/dev/null 2>&1; then
+    echo "setup_env: installing triton==3.6.0"
+    "$PYTHON" -m pip install -q "triton==3.6.0"
+fi
+"$PYTHON" -m pip install -q -r requirements-test.txt

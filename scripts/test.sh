@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The single test command: installs what is missing, then runs pytest (extra arguments pass through,
+# e.g. `bash scripts/test.sh -m kernels_ci` or `bash scripts/test.sh tests/test_layout.py`).
+# With no CUDA GPU visible, Triton kernels run in its interpreter on the CPU (TRITON_INTERPRET=1),
+# unless TRITON_INTERPRET is already set.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+PYTHON="$PYTHON" bash scripts/setup_env.sh
+
+if [ -z "${TRITON_INTERPRET:-}" ] && ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    export TRITON_INTERPRET=1
+fi
+echo "test.sh: TRITON_INTERPRET=${TRITON_INTERPRET:-<unset>}"
+
+# No path arguments: pytest takes `testpaths = ["tests"]` from pyproject.toml.
+exec "$PYTHON" -m pytest -q "$@"

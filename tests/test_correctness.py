@@ -1,0 +1,58 @@
+"""Loss and gradients against the float64 reference, over the case matrix of issue 2.
+
+bf16 on CPU: the Triton interpreter's ``tl.dot`` multiplies the raw bits of bf16 operands
+(triton#11584) and its fp32 -> bf16 cast truncates. Under the interpreter the launcher sets
+BF16_EMULATION, which upcasts bf16 tiles to fp32 right before ``tl.dot`` (exact: a bf16 x bf16
+product fits in fp32, as in the tensor cores) and rounds to nearest even on the bits when storing
+bf16 (as the GPU's cvt.rn does). Everything else (bf16 loads, strides, masks, stores) is the same
+code. ``test_bf16_emulation.py`` checks both workarounds against torch bit for bit. On a GPU these
+same cases run the real bf16 path.
+"""
+
+import pytest
+import torch
+
+from cases import Case, check_three_way
+from conftest import ON_GPU
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+CASES = []
+# Odd sizes and every reduction, each dtype.
+for dtype in DTYPES:
+    for n, h, v in ((1, 40, 10), (7, 96, 500), (77, 40, 500)):
+        for reduction in ("mean", "sum", "none"):
+            CASES.append(Case(n, h, v, dtype, reduction))
+    CASES.append(Case(7, 40, 32001, dtype, "none", bias=True))
+# Ignored fractions, bias, scale and softcap, grads on a subset of inputs, per dtype.
+for dtype in DTYPES:
+    CASES += [
+        Case(77, 96, 500, dtype, "mean", ignored=0.2),
+        Case(77, 96, 500, dtype, "none", ignored=0.2, bias=True),
+        Case(77, 96, 500, dtype, "sum", ignored=1.0),
+        Case(77, 96, 500, dtype, "mean", ignored=1.0, bias=True),
+        Case(77, 96, 500, dtype, "mean", bias=True),
+        Case(77, 96, 500, dtype, "mean", logit_scale=0.3),
+        Case(77, 96, 500, dtype, "none", logit_scale=2.5, softcap=4.0, bias=True),
+        Case(77, 96, 500, dtype, "sum", softcap=1.5),
+        Case(77, 96, 500, dtype, "mean", grad=("hidden",)),
+        Case(77, 96, 500, dtype, "mean", grad=("weight",), bias=True),
+        Case(77, 96, 500, dtype, "mean", grad=("bias",), bias=True),
+        Case(77, 96, 500, dtype, "none", ignore_index=3, ignored=0.2),
+    ]
+# The backward's blocking: whole plane, token chunks (V x H accumulator), vocabulary chunks (N x H).
+for dtype in DTYPES:
+    for chunk in (None, 16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 1):
+        CASES.append(Case(77, 96, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=chunk))
+if ON_GPU:  # sizes that fill the GPU's tiles several times over; too slow for the interpreter
+    for dtype in DTYPES:
+        CASES += [
+            Case(1000, 512, 50257, dtype, "mean", ignored=0.2, bias=True),
+            Case(4096, 1024, 32001, dtype, "none", softcap=30.0, chunk_bytes=64 << 20),
+            Case(513, 4096, 128256, dtype, "sum", chunk_bytes=32 << 20),
+        ]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_float64_reference(case):
+    check_three_way(case)

@@ -1,0 +1,251 @@
+"""The repo is a valid Hub kernel for `kernels` 0.17: build.toml, both metadata.json files and build/.
+
+Files are validated with the loader's own Rust parser (`kernels._rust`), not a copy of its rules.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from kernels._rust import Backend, Build, Metadata
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "torch-ext" / "fused_linear_ce"
+VARIANT = REPO / "build" / "torch-cuda"
+METADATA_FILES = {"top-level": REPO / "metadata.json", "build": VARIANT / "metadata.json"}
+ID_PATTERN = re.compile(r"_fused_linear_ce_cuda_[0-9a-f]{7}")
+
+
+def _load_sync_build():
+    spec = importlib.util.spec_from_file_location("sync_build", REPO / "scripts" / "sync_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sync_build = _load_sync_build()
+
+
+def _build_toml() -> dict:
+    return tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(params=sorted(METADATA_FILES), ids=str)
+def metadata_path(request) -> Path:
+    return METADATA_FILES[request.param]
+
+
+# --- build/ is what scripts/sync_build.py generates -------------------------------------------------
+
+
+def test_build_is_up_to_date():
+    problems = sync_build.check(REPO)
+    assert not problems, "build/ is out of date; run `python3 scripts/sync_build.py`:\n" + "\n".join(problems)
+
+
+def test_sources_are_flat_python_files():
+    """The flat copy ships top-level .py files only; anything else in the package would be lost."""
+    unshippable = [
+        p.relative_to(SOURCE).as_posix()
+        for p in SOURCE.rglob("*")
+        if p.is_file()
+        and "__pycache__" not in p.parts
+        and not (p.parent == SOURCE and p.suffix == ".py")
+    ]
+    assert not unshippable, f"not copied into build/torch-cuda by scripts/sync_build.py: {unshippable}"
+
+
+def test_build_id_is_derived_from_current_sources():
+    meta = Metadata.read_from_file(VARIANT / "metadata.json")
+    expected = sync_build.kernel_id(json.loads((REPO / "metadata.json").read_bytes()), sync_build.source_files(REPO))
+    assert ID_PATTERN.fullmatch(expected)
+    assert meta.id == expected
+    assert Metadata.read_from_file(REPO / "metadata.json").id == expected
+
+
+def test_both_metadata_files_are_identical():
+    assert (REPO / "metadata.json").read_bytes() == (VARIANT / "metadata.json").read_bytes()
+
+
+def test_sync_build_check_sync_roundtrip(tmp_path):
+    """--check reports a changed source, a stale file and a stale id, writes nothing; sync fixes all."""
+    repo = tmp_path / "repo"
+    shutil.copytree(SOURCE, repo / SOURCE.relative_to(REPO), ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    script = REPO / "scripts" / "sync_build.py"
+
+    missing = {line for line in sync_build.check(repo) if line.startswith("missing: ")}
+    assert missing == {f"missing: {rel}" for rel in sync_build.expected_files(repo) if rel.startswith("build/")}
+    sync_build.sync(repo)
+    assert sync_build.check(repo) == []
+    ok = subprocess.run([sys.executable, script, "--check", "--repo", repo], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+
+    old_id = json.loads((repo / "metadata.json").read_bytes())["id"]
+    with open(repo / SOURCE.relative_to(REPO) / "__init__.py", "a", encoding="utf-8") as f:
+        f.write("# changed\n")
+    stale = repo / "build" / "torch-cuda" / "removed_module.py"
+    stale.write_text("x = 1\n")
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+
+    bad = subprocess.run([sys.executable, script, "--check", "--repo", repo], capture_output=True, text=True)
+    assert bad.returncode == 1
+    for line in (
+        "differs: build/torch-cuda/__init__.py",
+        "differs: build/torch-cuda/metadata.json",
+        "differs: metadata.json",
+        "stale:   build/torch-cuda/removed_module.py",
+    ):
+        assert line in bad.stderr
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before, "--check wrote files"
+
+    sync_build.sync(repo)
+    assert sync_build.check(repo) == []
+    assert not stale.exists()
+    new_id = json.loads((repo / "metadata.json").read_bytes())["id"]
+    assert new_id != old_id and ID_PATTERN.fullmatch(new_id)
+
+
+def test_sync_build_is_deterministic():
+    first = sync_build.expected_files(REPO)
+    assert first == sync_build.expected_files(REPO)
+    for rel, data in first.items():
+        if rel.endswith(".json"):
+            assert data.endswith(b"\n") and data == sync_build.render_metadata(json.loads(data))
+
+
+# --- build.toml and metadata.json, through kernels' own parser --------------------------------------
+
+
+def test_build_toml_parses_with_kernels_parser():
+    build = Build.open(REPO)
+    assert build.general.backends == [Backend.CUDA]
+    config = _build_toml()
+    general = config["general"]
+    assert general["edition"] == 5
+    assert general["hub"]["repo-id"] == "trl-lib/fused-linear-ce"
+    assert "torch-noarch" in config, "a Triton-only kernel is a [torch-noarch] build"
+
+
+def test_metadata_parses_with_kernels_parser(metadata_path):
+    meta = Metadata.read_from_file(metadata_path)
+    assert ID_PATTERN.fullmatch(meta.id)
+    assert meta.backend.backend_type == Backend.CUDA
+
+
+def test_build_toml_and_metadata_agree(metadata_path):
+    general = _build_toml()["general"]
+    meta = Metadata.read_from_file(metadata_path)
+    raw = json.loads(metadata_path.read_bytes())
+    assert str(meta.name) == general["name"] == "fused-linear-ce"
+    assert meta.version == general["version"] == 1
+    assert meta.license == general["license"] == "apache-2.0"
+    assert [raw["backend"]["type"]] == general["backends"] == ["cuda"]
+    assert Build.open(REPO).general.backends == [meta.backend.backend_type]
+
+
+def test_python_depends_is_empty(metadata_path):
+    """The loader refuses unlisted dependencies (e.g. "triton", which comes with torch anyway)."""
+    assert Metadata.read_from_file(metadata_path).python_depends == []
+    assert _build_toml()["general"].get("python-depends", []) == []
+
+
+def test_license_file_is_apache_2():
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_flake_uses_current_kernel_builder_api():
+    flake = (REPO / "flake.nix").read_text(encoding="utf-8")
+    assert "github:huggingface/kernels" in flake
+    assert "genKernelFlakeOutputs" in flake and "genFlakeOutputs" not in flake
+
+
+# --- the package works when imported under its build id ---------------------------------------------
+
+
+def _absolute_self_imports(path: Path, own_modules: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in own_modules:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_package_imports_are_relative():
+    """The loader imports the variant as `_fused_linear_ce_cuda_<hash>`: `import fused_linear_ce` breaks."""
+    own_modules = {"fused_linear_ce"} | {p.stem for p in SOURCE.glob("*.py")}
+    found = [hit for p in sorted(SOURCE.glob("*.py")) for hit in _absolute_self_imports(p, own_modules)]
+    assert not found, "use relative imports (`from .x import y`):\n" + "\n".join(found)
+
+
+# Runs in a fresh interpreter: spies on every torch.cuda entry point that queries or initialises a
+# device, imports the variant through the real loader, and reports what was touched.
+_IMPORT_PROBE = r"""
+import json, sys
+from pathlib import Path
+import torch, triton, kernels
+from triton.runtime.driver import driver as triton_driver
+
+FORBIDDEN = ("init", "_lazy_init", "is_available", "device_count", "current_device", "set_device",
+             "get_device_capability", "get_device_properties", "get_device_name", "synchronize",
+             "mem_get_info", "get_arch_list")
+calls = []
+
+def spy(name, fn):
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return wrapper
+
+for name in FORBIDDEN:
+    if hasattr(torch.cuda, name):
+        setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+
+module = kernels.get_local_kernel(Path(sys.argv[1]))
+print(json.dumps({
+    "module": module.__name__,
+    "has_api": hasattr(module, "fused_linear_cross_entropy"),
+    "cuda_calls": calls,
+    "cuda_initialized": torch.cuda.is_initialized(),
+    "triton_driver_created": triton_driver._default is not None or triton_driver._active is not None,
+}))
+"""
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("env_case", ["nix-sandbox", "inherited"])
+def test_import_does_not_touch_the_gpu(env_case):
+    """kernel-builder imports the build with get_local_kernel in a sandbox without a GPU."""
+    env = dict(os.environ)
+    if env_case == "nix-sandbox":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, str(VARIANT)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["module"] == Metadata.read_from_file(VARIANT / "metadata.json").id
+    assert report["has_api"]
+    assert report["cuda_calls"] == [], f"importing the kernel called torch.cuda.{report['cuda_calls']}"
+    assert not report["cuda_initialized"]
+    assert not report["triton_driver_created"], "importing the kernel created a Triton driver (GPU query)"

@@ -1,0 +1,167 @@
+"""Backward: recompute logit tiles into their gradient, then the two products (math in ``logits.py``).
+
+``dlogits_kernel`` turns one chunk of rows into ``da`` (the gradient of the pre-scale logits) in the
+input dtype, from fp32 logits recomputed tile by tile and the saved log-sum-exp. ``matmul_kernel``
+then runs ``grad_hidden = da @ weight`` and ``grad_weight (+)= da^T @ hidden`` with fp32 accumulation.
+"""
+
+import triton
+import triton.language as tl
+
+from .logits import logit_tile, round_to
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Maps a 1-D program id to (pid_m, pid_n) in groups of GROUP_M row tiles (L2 reuse of the
+    column operand; performance only)."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def dlogits_kernel(
+    hidden_ptr,  # (N, H) fp32/bf16/fp16
+    weight_ptr,  # (V, H) same dtype
+    bias_ptr,  # (V,) same dtype, or dummy
+    targets_ptr,  # (N,) int32/int64
+    lse_ptr,  # (N,) fp32, from the forward
+    row_grad_ptr,  # (N,) fp32: upstream gradient per row (0 on ignored rows, grad/count for mean)
+    dlogits_ptr,  # (R, C) out, input dtype: da for rows [row0, row0 + R), classes [col0, col0 + C)
+    dbias_ptr,  # (cdiv(R, BLOCK_N), V) fp32 out: per-row-block column sums of da, when BIAS_GRAD
+    row0,
+    R,
+    col0,
+    C,
+    V,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_b,
+    stride_t,
+    stride_dc,
+    logit_scale,
+    softcap,
+    ignore_index,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    BF16_EMULATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One program: one (BLOCK_N, BLOCK_V) tile of the block's da. 1-D grouped grid over
+    cdiv(R, BLOCK_N) x cdiv(C, BLOCK_V) tiles. No atomics: bias partial sums go to their own row.
+
+    An out-of-range target (not ignore_index, outside [0, V)) makes its row's da NaN, as its loss is.
+    """
+    pid_m, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(R, BLOCK_N), tl.cdiv(C, BLOCK_V), GROUP_M)
+    local_n = pid_m.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = local_n < R
+    rows = row0 + tl.where(mask_n, local_n, 0)
+    local_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = local_v < C
+    offs_v = col0 + local_v
+    cols = col0 + tl.where(mask_v, local_v, 0)
+
+    z = logit_tile(
+        hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
+        stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
+        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
+    )
+    lse = tl.load(lse_ptr + rows)
+    g = tl.load(row_grad_ptr + rows)
+    target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
+
+    p = tl.exp(z - lse[:, None])
+    d = p - tl.where(offs_v[None, :] == target[:, None], 1.0, 0.0)
+    if HAS_SOFTCAP:
+        tc = z / softcap
+        d = d * (1.0 - tc * tc)
+    d = d * (g * logit_scale)[:, None]
+    ignored = target == ignore_index
+    bad = (~ignored) & ((target < 0) | (target >= V))
+    d = tl.where(bad[:, None], float("nan"), d)
+    d = tl.where(ignored[:, None], 0.0, d)
+
+    mask = mask_n[:, None] & mask_v[None, :]
+    out = dlogits_ptr + local_n[:, None] * stride_dc + local_v[None, :]
+    tl.store(out, round_to(d, dlogits_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
+    if BIAS_GRAD:
+        col_sum = tl.sum(tl.where(mask, d, 0.0), axis=0)
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * V + offs_v, col_sum, mask=mask_v)
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr,  # (M, K) any strides
+    b_ptr,  # (K, P) any strides
+    c_ptr,  # (M, P) out; fp32 when ACCUMULATE
+    M,
+    P,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bp,
+    stride_cm,
+    stride_cp,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_P: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BF16_EMULATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
+
+    1-D grouped grid over cdiv(M, BLOCK_M) x cdiv(P, BLOCK_P). The whole K reduction stays in the
+    program's fp32 accumulator; ACCUMULATE adds an fp32 C read back (no atomics: one writer per tile).
+    Ragged edges are masked, not clamped: clamping hides the contiguity of an operand whose M or P
+    dimension is its contiguous one (da^T, weight), and the loads then lose their vector width.
+    """
+    pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_m = offs_m < M
+    mask_p = offs_p < P
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    a_base = a_ptr + offs_m[:, None] * stride_am
+    b_base = b_ptr + offs_p[None, :] * stride_bp
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = k * BLOCK_K + offs_k
+        a_ptrs = a_base + kk[None, :] * stride_ak
+        b_ptrs = b_base + kk[:, None] * stride_bk
+        if EVEN_M and EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+        if EVEN_P and EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=(kk[:, None] < K) & mask_p[None, :], other=0.0)
+        if BF16_EMULATION:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp
+    mask = mask_m[:, None] & mask_p[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)

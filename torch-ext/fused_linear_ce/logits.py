@@ -1,0 +1,110 @@
+"""The logit tile: the one piece of arithmetic every kernel of this package shares.
+
+The math, once
+--------------
+For a row ``n`` (a token) and a class ``v``:
+
+    a[n, v] = hidden[n] . weight[v] (+ bias[v])      fp32 accumulator, never rounded
+    u[n, v] = logit_scale * a[n, v]
+    z[n, v] = c * tanh(u / c)  if softcap c else u  (the logits the softmax sees)
+
+    lse[n]  = log sum_v exp(z[n, v])                 online: running max m and sum s,
+                                                     s <- s * exp(m_old - m_new) + sum exp(z - m_new)
+    loss[n] = lse[n] - z[n, t_n]                     for counted rows (t_n != ignore_index)
+
+Backward with an upstream gradient g[n] per row (g = 0 on ignored rows, grad/count for "mean"):
+
+    dz[n, v] = g[n] * (softmax(z)[n, v] - [v == t_n])
+    da[n, v] = dz[n, v] * logit_scale * (1 - (z / c)^2 if softcap else 1)
+    grad_hidden = da @ weight,  grad_weight = da^T @ hidden,  grad_bias = sum_n da[n, :]
+
+Metrics ride along the same sweep: the argmax is carried with the running max (first index wins
+on ties, as ``torch.argmax``), and the entropy ``lse - sum_v p z`` needs ``sum_v exp(z - m) z``,
+which is rescaled by the same ``exp(m_old - m_new)`` as ``s``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp, stable at both tails (no libdevice, so the interpreter runs it too)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x >= 0, y, -y)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, BF16_EMULATION: tl.constexpr):
+    """Casts fp32 ``x`` to ``dtype`` rounding to nearest even, as the GPU's cvt.rn does.
+
+    BF16_EMULATION (the interpreter with bf16 only): the interpreter's own fp32 -> bf16 cast
+    truncates, so round here with integer arithmetic on the bits instead: add 0x7FFF plus the lowest
+    kept bit, keep the top 16 bits. NaN is kept NaN explicitly (its low bits could carry into inf).
+    """
+    if BF16_EMULATION and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = tl.where(x != x, 0x7FC0, bits)  # canonical bf16 NaN
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def logit_tile(
+    hidden_ptr,  # (N, H) fp32/bf16/fp16, any strides
+    weight_ptr,  # (V, H) same dtype, any strides
+    bias_ptr,  # (V,) same dtype, or a dummy when HAS_BIAS is False
+    rows,  # (BLOCK_N,) int64 row indices, already clamped into [0, N)
+    cols,  # (BLOCK_V,) int64 class indices, already clamped into [0, V)
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_b,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    BF16_EMULATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Returns z for a (BLOCK_N, BLOCK_V) tile as fp32.
+
+    Rows and columns come clamped, so the loads need no row/column masks (out-of-range lanes
+    recompute a valid row and are masked by the caller); only a ragged H needs a mask.
+    BF16_EMULATION upcasts the operands before ``tl.dot``: the launcher sets it under the Triton
+    interpreter for bf16, whose ``tl.dot`` multiplies raw bits there (triton#11584). bf16 x bf16
+    products are exact in fp32, so this computes what the tensor cores compute.
+    """
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    x_base = hidden_ptr + rows[:, None] * stride_hn
+    w_base = weight_ptr + cols[None, :] * stride_wv
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_H)):
+        h = k * BLOCK_H + offs_h
+        x_ptrs = x_base + h[None, :] * stride_hh
+        w_ptrs = w_base + h[:, None] * stride_wh
+        if EVEN_H:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=h[None, :] < H, other=0.0)
+            w = tl.load(w_ptrs, mask=h[:, None] < H, other=0.0)
+        if BF16_EMULATION:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols * stride_b).to(tl.float32)[None, :]
+    acc = acc * logit_scale
+    if HAS_SOFTCAP:
+        acc = softcap * tanh(acc / softcap)
+    return acc

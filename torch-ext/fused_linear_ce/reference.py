@@ -1,0 +1,90 @@
+"""The plain-torch specification of the loss. Tests and benchmarks import it; there is no second copy.
+
+``linear_cross_entropy`` computes in ``compute_dtype`` (float64 by default) and materialises the
+logits: it is the definition, not a fast path. ``chunked_linear_cross_entropy`` gives the same loss
+and gradients in chunks of rows, for problems whose full logits do not fit in memory.
+"""
+
+import torch
+
+
+def logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None, compute_dtype=torch.float64):
+    z = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
+    if bias is not None:
+        z = z + bias.to(compute_dtype)
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def row_losses(z, targets, ignore_index=-100):
+    """Per-row loss (0 on ignored rows, NaN for an out-of-range target), and the counted-row mask."""
+    v = z.shape[-1]
+    counted = targets != ignore_index
+    in_range = (targets >= 0) & (targets < v)
+    safe = torch.where(in_range, targets, 0)
+    lse = torch.logsumexp(z, dim=-1)
+    z_target = z.gather(-1, safe[:, None])[:, 0]
+    loss = torch.where(in_range, lse - z_target, torch.full_like(lse, float("nan")))
+    return torch.where(counted, loss, torch.zeros_like(loss)), counted
+
+
+def linear_cross_entropy(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    ignore_index=-100,
+    logit_scale=1.0,
+    softcap=None,
+    reduction="mean",
+    return_metrics=False,
+    compute_dtype=torch.float64,
+):
+    """Same signature and semantics as ``fused_linear_cross_entropy``; results in ``compute_dtype``."""
+    z = logits(hidden, weight, bias, logit_scale, softcap, compute_dtype)
+    loss, counted = row_losses(z, targets, ignore_index)
+    count = counted.sum()
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / count
+    elif reduction != "none":
+        raise ValueError(f"unknown reduction {reduction!r}")
+    if not return_metrics:
+        return loss
+    with torch.no_grad():
+        logp = torch.log_softmax(z, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        hit = (z.argmax(-1) == targets).to(compute_dtype)
+        zero = torch.zeros_like(entropy)
+        metrics = {
+            "mean_token_accuracy": torch.where(counted, hit, zero).sum() / count,
+            "entropy": torch.where(counted, entropy, zero).sum() / count,
+        }
+    return loss, metrics
+
+
+def chunked_linear_cross_entropy(
+    hidden, weight, targets, bias=None, chunk=1024, compute_dtype=torch.float32, **kwargs
+):
+    """Sum-reduced ``linear_cross_entropy`` with gradients, ``chunk`` rows at a time, in
+    ``compute_dtype``. Returns (loss_sum, count, grad_hidden, grad_weight, grad_bias) of the summed
+    loss; divide by count for the mean. For references at sizes whose logits do not fit."""
+    n = hidden.shape[0]
+    w = weight.detach().to(compute_dtype).requires_grad_(True)
+    b = bias.detach().to(compute_dtype).requires_grad_(True) if bias is not None else None
+    grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
+    total = torch.zeros((), dtype=compute_dtype, device=hidden.device)
+    count = torch.zeros((), dtype=torch.int64, device=hidden.device)
+    ignore_index = kwargs.get("ignore_index", -100)
+    for r in range(0, n, chunk):
+        h = hidden[r : r + chunk].detach().to(compute_dtype).requires_grad_(True)
+        t = targets[r : r + chunk]
+        loss = linear_cross_entropy(h, w, t, b, reduction="sum", compute_dtype=compute_dtype, **kwargs)
+        loss.backward()
+        grad_hidden[r : r + chunk] = h.grad
+        total += loss.detach()
+        count += (t != ignore_index).sum()
+    return total, count, grad_hidden, w.grad, (b.grad if b is not None else None)

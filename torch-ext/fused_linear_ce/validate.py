@@ -1,0 +1,93 @@
+"""Input checks, all raised before any kernel runs, and the options object the layers pass along."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .configs import interpreted
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything besides the tensors, validated."""
+
+    ignore_index: int = -100
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    reduction: str = "mean"
+    return_metrics: bool = False
+    chunk_bytes: int | None = None
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_inputs(hidden, weight, targets, bias, opts: Options) -> None:
+    """Raises TypeError / ValueError with a readable message for any input the kernels cannot take."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be 2-D (N, H), got shape {tuple(hidden.shape)}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
+    if targets.ndim != 1:
+        raise ValueError(f"targets must be 1-D (N,), got shape {tuple(targets.shape)}")
+    n, h = hidden.shape
+    v, hw = weight.shape
+    if hw != h:
+        raise ValueError(f"hidden size mismatch: hidden is (N={n}, H={h}) but weight is (V={v}, H={hw})")
+    if targets.shape[0] != n:
+        raise ValueError(f"targets has {targets.shape[0]} rows but hidden has N={n}")
+    if v == 0:
+        raise ValueError("weight has no rows: the vocabulary must not be empty")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"hidden dtype {hidden.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"dtype mismatch: hidden is {hidden.dtype}, weight is {weight.dtype}")
+    if bias is not None:
+        if bias.shape != (v,):
+            raise ValueError(f"bias must have shape (V,) = ({v},), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"dtype mismatch: hidden is {hidden.dtype}, bias is {bias.dtype}")
+    tensors = [("hidden", hidden), ("weight", weight), ("targets", targets)]
+    if bias is not None:
+        tensors.append(("bias", bias))
+    devices = {t.device for _, t in tensors}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in tensors)
+        raise ValueError(f"all tensors must be on one device: {where}")
+    device = hidden.device
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError(
+            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing the kernel"
+        )
+    if device.type not in ("cuda", "cpu"):
+        raise RuntimeError(f"unsupported device {device}: this kernel runs on CUDA GPUs")
+    check_options(opts)
+
+
+def check_options(opts: Options) -> None:
+    if opts.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {opts.reduction!r}")
+    if not isinstance(opts.ignore_index, int) or isinstance(opts.ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+    if not _is_real(opts.logit_scale):
+        raise ValueError(f"logit_scale must be a finite real number, got {opts.logit_scale!r}")
+    if opts.softcap is not None and not (_is_real(opts.softcap) and opts.softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
+    if opts.chunk_bytes is not None and (
+        not isinstance(opts.chunk_bytes, int) or isinstance(opts.chunk_bytes, bool) or opts.chunk_bytes < 1
+    ):
+        raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {opts.chunk_bytes!r}")
