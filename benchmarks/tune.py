@@ -44,7 +44,7 @@ def main():
     def run(chunk_size=None):
         hd = hidden.detach().requires_grad_(True)
         wd = weight.detach().requires_grad_(True)
-        loss = fused_linear_cross_entropy(hd, wd, targets, chunk_size=chunk_size)
+        loss = fused_linear_cross_entropy(hd, wd, targets, chunk_bytes=chunk_size)
         loss.backward()
         return loss, hd.grad, wd.grad
 
@@ -79,7 +79,7 @@ def main():
     base_mm = configs._GPU_MATMUL
     for name, cfg in mm_variants.items():
         configs._GPU_MATMUL = cfg
-        for chunk in (None, 2048):
+        for chunk in (None, 64 << 20, 1 << 30):
             try:
                 loss, dx, dw = run(chunk)
                 ms = triton.testing.do_bench(lambda: run(chunk), warmup=20, rep=200)

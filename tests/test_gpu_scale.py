@@ -27,11 +27,15 @@ def _inputs(n, h, v, peaked, seed=0):
 def test_llama_shape_bf16_against_fp32_reference(peaked, chunk_bytes):
     n, h, v = 4096, 4096, 128256
     hidden, weight, targets = _inputs(n, h, v, peaked)
-    total, count, ref_dx, ref_dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=1024)
+    total, count, ref_dx, ref_dw, _ = chunked_linear_cross_entropy(
+        hidden, weight, targets, chunk=1024, compute_dtype=torch.float64
+    )
     hd, wd = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     loss = fused_linear_cross_entropy(hd, wd, targets, chunk_bytes=chunk_bytes)
     loss.backward()
-    assert rel_err(loss, total / count) < 1e-5
+    # Peaked rows: the loss (~0.2) is lse - z_t with both ~14, so fp32 logits' absolute error (~1e-5,
+    # from H = 4096 products) is ~5e-5 of it; random rows: loss ~ 12, no cancellation.
+    assert rel_err(loss, total / count) < (2e-4 if peaked else 1e-5)
     assert rel_err(hd.grad, ref_dx / count) < 3e-3
     assert rel_err(wd.grad, ref_dw / count) < 3e-3
 
@@ -43,7 +47,9 @@ def test_rare_vocabulary_row_gets_its_gradient_from_one_token():
     hidden, weight, targets = _inputs(n, h, v, peaked=True, seed=1)
     targets[targets == 7] = 8
     targets[1234] = 7
-    total, count, _, ref_dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=1024)
+    total, count, _, ref_dw, _ = chunked_linear_cross_entropy(
+        hidden, weight, targets, chunk=1024, compute_dtype=torch.float64
+    )
     for chunk_bytes in (None, 1 << 20):
         wd = weight.clone().requires_grad_(True)
         fused_linear_cross_entropy(hidden, wd, targets, reduction="sum", chunk_bytes=chunk_bytes).backward()

@@ -108,6 +108,7 @@ def matmul_kernel(
     a_ptr,  # (M, K) any strides
     b_ptr,  # (K, P) any strides
     c_ptr,  # (M, P) out; fp32 when ACCUMULATE
+    scale_ptr,  # (1,) fp32: multiplies A @ B when HAS_SCALE (undoes the fp16 da scaling)
     M,
     P,
     K,
@@ -118,6 +119,7 @@ def matmul_kernel(
     stride_cm,
     stride_cp,
     ACCUMULATE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -162,6 +164,8 @@ def matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp
     mask = mask_m[:, None] & mask_p[None, :]
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr)
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=mask, other=0.0)
     tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)

@@ -88,8 +88,9 @@ def forward(hidden, weight, targets, bias, opts: Options) -> RowStats:
     return RowStats(loss, lse, entropy, correct)
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool) -> None:
-    """c = a @ b (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any strides."""
+def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
+    """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
+    strides; ``unscale`` an optional fp32 (1,) device tensor."""
     m, k = a.shape
     p = b.shape[1]
     if m == 0 or p == 0:
@@ -97,13 +98,27 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool)
     cfg = configs.matmul_config(a.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
-        a, b, c, m, p, k,
+        a, b, c, unscale if unscale is not None else c, m, p, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        ACCUMULATE=accumulate, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
+        ACCUMULATE=accumulate, HAS_SCALE=unscale is not None, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0,
         EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(a.dtype),
     )
+
+
+def _fp16_gradient_scale(row_grad: torch.Tensor, logit_scale: float):
+    """A power of two that lifts fp16 da out of the subnormal range, and its inverse (fp32 tensors).
+
+    da = g * logit_scale * (p - onehot) * softcap', with |p - onehot| and softcap' at most 1. At real
+    sizes p ~ 1/V and g = 1/count put most entries below fp16's smallest normal (6e-5), where they
+    lose precision or vanish (plain torch loses them too). Scaling so that the largest possible
+    entry is 2^14 keeps them normal; the products divide by the same power of two, exactly."""
+    peak = row_grad.abs().amax() * abs(logit_scale)
+    k = (14.0 - torch.ceil(torch.log2(peak))).clamp(-60.0, 60.0)
+    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero or non-finite gradients
+    scale = torch.exp2(k)
+    return scale, (1.0 / scale).reshape(1)
 
 
 def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_dx, need_dw, need_db):
@@ -136,6 +151,11 @@ def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_d
             dw_acc.zero_()
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
 
+    unscale = None
+    if dtype == torch.float16 and n > 0:
+        scale, unscale = _fp16_gradient_scale(row_grad, opts.logit_scale)
+        row_grad = row_grad * scale
+
     if n > 0:
         dlogits = _new((plan.rows, plan.cols), dtype, device)
         dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if need_db else lse
@@ -159,11 +179,12 @@ def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_d
                 )
                 da = dlogits[:r, :c]
                 if need_dx:
-                    _matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], accumulate=col0 > 0)
+                    _matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
                 if need_dw:
-                    _matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], accumulate=row0 > 0)
+                    _matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
             if need_db:
-                db_acc += dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
+                block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
+                db_acc += block_sum if unscale is None else block_sum * unscale
 
     if need_dx and dx_acc is not grad_hidden:
         grad_hidden.copy_(dx_acc)
