@@ -22,6 +22,9 @@ class Case:
     grad: tuple = ("hidden", "weight", "bias")  # which inputs require grad
     chunk_bytes: int | None = None
     ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    class_weight: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -40,6 +43,12 @@ class Case:
             parts.append("grad-" + "+".join(self.grad))
         if self.chunk_bytes is not None:
             parts.append(f"chunk{self.chunk_bytes}")
+        if self.label_smoothing:
+            parts.append(f"ls{self.label_smoothing}")
+        if self.z_loss:
+            parts.append(f"z{self.z_loss}")
+        if self.class_weight:
+            parts.append("cw")
         return "-".join(parts)
 
 
@@ -59,6 +68,14 @@ def make_inputs(case: Case, device=DEVICE):
     return cast(hidden), cast(weight), cast(bias), targets.to(device)
 
 
+def class_weights(case: Case, device=DEVICE):
+    """(V,) fp32 weights in [0.25, 2.25) when the case asks for them, else None."""
+    if not case.class_weight:
+        return None
+    g = torch.Generator().manual_seed(case.seed + 2)
+    return (torch.rand(case.v, generator=g) * 2.0 + 0.25).to(device)
+
+
 def upstream(case: Case, loss: torch.Tensor) -> torch.Tensor:
     """A random upstream gradient of the loss's shape (per-row for reduction='none')."""
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -72,7 +89,8 @@ def run(fn, case: Case, hidden, weight, bias, targets, **kwargs):
     out = fn(
         leaves["hidden"], leaves["weight"], targets, leaves["bias"],
         ignore_index=case.ignore_index, logit_scale=case.logit_scale, softcap=case.softcap,
-        reduction=case.reduction, **kwargs,
+        reduction=case.reduction, label_smoothing=case.label_smoothing, z_loss=case.z_loss,
+        class_weight=class_weights(case, targets.device), **kwargs,
     )
     loss = out[0] if isinstance(out, tuple) else out
     loss.backward(upstream(case, loss).to(loss.dtype))

@@ -31,7 +31,8 @@ def dlogits_kernel(
     bias_ptr,  # (V,) same dtype, or dummy
     targets_ptr,  # (N,) int32/int64
     lse_ptr,  # (N,) fp32, from the forward
-    row_grad_ptr,  # (N,) fp32: upstream gradient per row (0 on ignored rows, grad/count for mean)
+    coef_ptr,  # (3, N) fp32: per-row A, B, C of da = A * p - B * onehot - C * w (see losses.py)
+    class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     dlogits_ptr,  # (R, C) out, input dtype: da for rows [row0, row0 + R), classes [col0, col0 + C)
     dbias_ptr,  # (cdiv(R, BLOCK_N), V) fp32 out: per-row-block column sums of da, when BIAS_GRAD
     row0,
@@ -49,9 +50,11 @@ def dlogits_kernel(
     stride_dc,
     logit_scale,
     softcap,
-    ignore_index,
+    N,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -64,7 +67,10 @@ def dlogits_kernel(
     """One program: one (BLOCK_N, BLOCK_V) tile of the block's da. 1-D grouped grid over
     cdiv(R, BLOCK_N) x cdiv(C, BLOCK_V) tiles. No atomics: bias partial sums go to their own row.
 
-    An out-of-range target (not ignore_index, outside [0, V)) makes its row's da NaN, as its loss is.
+    The per-row coefficients carry the upstream gradient, the reduction, label smoothing, z-loss,
+    class weights and the gradient of a returned lse; a row whose coefficients are all 0 (an ignored
+    row) gets exactly 0. A counted row whose target is outside [0, V) gets NaN, as its loss does
+    (the host marks it with B = NaN).
     """
     pid_m, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(R, BLOCK_N), tl.cdiv(C, BLOCK_V), GROUP_M)
     local_n = pid_m.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,19 +87,24 @@ def dlogits_kernel(
         HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
     )
     lse = tl.load(lse_ptr + rows)
-    g = tl.load(row_grad_ptr + rows)
+    coef_a = tl.load(coef_ptr + rows)
+    coef_b = tl.load(coef_ptr + N + rows)
     target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
 
     p = tl.exp(z - lse[:, None])
-    d = p - tl.where(offs_v[None, :] == target[:, None], 1.0, 0.0)
+    d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
+    d -= tl.where(offs_v[None, :] == target[:, None], coef_b[:, None], 0.0)
+    d += tl.where(coef_b[:, None] != coef_b[:, None], float("nan"), 0.0)  # out-of-range target
+    if SMOOTHING:
+        coef_c = tl.load(coef_ptr + 2 * N + rows)
+        if HAS_CLASS_WEIGHT:
+            d -= coef_c[:, None] * tl.load(class_weight_ptr + cols)[None, :]
+        else:
+            d -= coef_c[:, None]
     if HAS_SOFTCAP:
         tc = z / softcap
         d = d * (1.0 - tc * tc)
-    d = d * (g * logit_scale)[:, None]
-    ignored = target == ignore_index
-    bad = (~ignored) & ((target < 0) | (target >= V))
-    d = tl.where(bad[:, None], float("nan"), d)
-    d = tl.where(ignored[:, None], 0.0, d)
+    d = d * logit_scale
 
     mask = mask_n[:, None] & mask_v[None, :]
     out = dlogits_ptr + local_n[:, None] * stride_dc + local_v[None, :]

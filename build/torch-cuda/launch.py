@@ -38,26 +38,30 @@ def _bias_args(bias, like):
 
 @dataclass
 class RowStats:
-    """Per-row results of the forward sweep, all fp32 of shape (N,)."""
+    """Per-row results of the forward sweep, all fp32 of shape (N,), for every row (ignored too)."""
 
-    loss: torch.Tensor  # lse - z_target; 0 on ignored rows; NaN for an out-of-range target
     lse: torch.Tensor
-    entropy: torch.Tensor | None  # with metrics only; 0 on ignored rows
+    z_target: torch.Tensor  # the target's logit; NaN when the target is outside [0, V)
+    wz: torch.Tensor | None  # sum_v w[v] z[v], with label smoothing only
+    entropy: torch.Tensor | None  # with metrics only
     correct: torch.Tensor | None  # with metrics only; 1.0 where argmax == target
 
 
-def forward(hidden, weight, targets, bias, opts: Options) -> RowStats:
-    """The vocabulary sweep: per-row loss, log-sum-exp and (optionally) metrics, O(N) memory."""
+def forward(hidden, weight, targets, bias, class_weight, opts: Options) -> RowStats:
+    """The vocabulary sweep: per-row log-sum-exp, target logit and optional sums, O(N) memory."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
     metrics = opts.return_metrics
-    loss = _new((n,), torch.float32, device)
+    smoothing = opts.label_smoothing > 0
     lse = _new((n,), torch.float32, device)
+    z_target = _new((n,), torch.float32, device)
+    wz = _new((n,), torch.float32, device) if smoothing else None
     entropy = _new((n,), torch.float32, device) if metrics else None
     correct = _new((n,), torch.float32, device) if metrics else None
+    stats_out = RowStats(lse, z_target, wz, entropy, correct)
     if n == 0:
-        return RowStats(loss, lse, entropy, correct)
+        return stats_out
 
     cfg = configs.sweep_config(hidden.dtype)
     n_blocks = triton.cdiv(n, cfg.block_n)
@@ -71,21 +75,22 @@ def forward(hidden, weight, targets, bias, opts: Options) -> RowStats:
     softcap = float(opts.softcap) if opts.softcap is not None else 1.0
 
     lse_sweep_kernel[(n_blocks, splits)](
-        hidden, weight, bias_arg, targets, stats, argmax,
+        hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
         n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
+        SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
-        stats, argmax, targets, lse, loss,
-        entropy if metrics else loss, correct if metrics else loss,
-        n, v, splits, splits * n, targets.stride(0), opts.ignore_index,
-        METRICS=metrics, BLOCK=_COMBINE_BLOCK,
+        stats, argmax, targets, lse, z_target,
+        wz if smoothing else lse, entropy if metrics else lse, correct if metrics else lse,
+        n, v, splits, splits * n, targets.stride(0),
+        METRICS=metrics, SMOOTHING=smoothing, BLOCK=_COMBINE_BLOCK,
     )
-    return RowStats(loss, lse, entropy, correct)
+    return stats_out
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
@@ -107,21 +112,23 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool,
     )
 
 
-def _fp16_gradient_scale(row_grad: torch.Tensor, logit_scale: float):
+def _fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     """A power of two that lifts fp16 da out of the subnormal range, and its inverse (fp32 tensors).
 
-    da = g * logit_scale * (p - onehot) * softcap', with |p - onehot| and softcap' at most 1. At real
-    sizes p ~ 1/V and g = 1/count put most entries below fp16's smallest normal (6e-5), where they
-    lose precision or vanish (plain torch loses them too). Scaling so that the largest possible
-    entry is 2^14 keeps them normal; the products divide by the same power of two, exactly."""
-    peak = row_grad.abs().amax() * abs(logit_scale)
+    da = logit_scale * (A p - B onehot - C w) * softcap', with p and softcap' at most 1, so
+    |da| <= |logit_scale| (|A| + |B| + |C| max|w|). At real sizes p ~ 1/V and A ~ 1/count put most
+    entries below fp16's smallest normal (6e-5), where they lose precision or vanish (plain torch
+    loses them too). Scaling so that the largest possible entry is 2^14 keeps them normal; the
+    products divide by the same power of two, exactly."""
+    w_max = class_weight.abs().amax() if class_weight is not None else 1.0
+    peak = (coef[0].abs() + coef[1].abs() + coef[2].abs() * w_max).amax() * abs(logit_scale)
     k = (14.0 - torch.ceil(torch.log2(peak))).clamp(-60.0, 60.0)
     k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero or non-finite gradients
     scale = torch.exp2(k)
     return scale, (1.0 / scale).reshape(1)
 
 
-def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_dx, need_dw, need_db):
+def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Options, need_dx, need_dw, need_db):
     """Recompute backward over blocks of the (N, V) plane (``configs.plan_backward``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
@@ -153,8 +160,8 @@ def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_d
 
     unscale = None
     if dtype == torch.float16 and n > 0:
-        scale, unscale = _fp16_gradient_scale(row_grad, opts.logit_scale)
-        row_grad = row_grad * scale
+        scale, unscale = _fp16_gradient_scale(coef, class_weight, opts.logit_scale)
+        coef = coef * scale
 
     if n > 0:
         dlogits = _new((plan.rows, plan.cols), dtype, device)
@@ -167,12 +174,14 @@ def backward(hidden, weight, targets, bias, lse, row_grad, opts: Options, need_d
                 c = min(plan.cols, v - col0)
                 grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
                 dlogits_kernel[grid](
-                    hidden, weight, bias_arg, targets, lse, row_grad, dlogits, dbias,
+                    hidden, weight, bias_arg, targets, lse, coef,
+                    class_weight if class_weight is not None else lse, dlogits, dbias,
                     row0, r, col0, c, v, h,
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
-                    targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap,
-                    opts.ignore_index,
-                    HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_db,
+                    targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap, n,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
+                    SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
+                    BIAS_GRAD=need_db,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
                     EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     **_dot_flags(dtype),

@@ -18,6 +18,9 @@ Backward with an upstream gradient g[n] per row (g = 0 on ignored rows, grad/cou
     da[n, v] = dz[n, v] * logit_scale * (1 - (z / c)^2 if softcap else 1)
     grad_hidden = da @ weight,  grad_weight = da^T @ hidden,  grad_bias = sum_n da[n, :]
 
+The loss variants (label smoothing, z-loss, class weights, a returned lse) generalise the backward to
+``da = A p - B onehot - C w`` with per-row coefficients; ``losses.py`` holds those formulas.
+
 Metrics ride along the same sweep: the argmax is carried with the running max (first index wins
 on ties, as ``torch.argmax``), and the entropy ``lse - sum_v p z`` needs ``sum_v exp(z - m) z``,
 which is rescaled by the same ``exp(m_old - m_new)`` as ``s``.

@@ -18,16 +18,22 @@ def logits(hidden, weight, bias=None, logit_scale=1.0, softcap=None, compute_dty
     return z
 
 
-def row_losses(z, targets, ignore_index=-100):
-    """Per-row loss (0 on ignored rows, NaN for an out-of-range target), and the counted-row mask."""
+def row_losses(z, targets, ignore_index=-100, label_smoothing=0.0, class_weight=None):
+    """Per-row cross-entropy as F.cross_entropy(..., reduction="none") computes it (0 on ignored
+    rows, NaN for an out-of-range target), the per-row target weight and the counted-row mask."""
     v = z.shape[-1]
     counted = targets != ignore_index
     in_range = (targets >= 0) & (targets < v)
     safe = torch.where(in_range, targets, 0)
-    lse = torch.logsumexp(z, dim=-1)
-    z_target = z.gather(-1, safe[:, None])[:, 0]
-    loss = torch.where(in_range, lse - z_target, torch.full_like(lse, float("nan")))
-    return torch.where(counted, loss, torch.zeros_like(loss)), counted
+    logp = torch.log_softmax(z, dim=-1)
+    w = torch.ones(v, dtype=z.dtype, device=z.device) if class_weight is None else class_weight.to(z.dtype)
+    w_t = torch.where(counted, w[safe], torch.zeros_like(w[safe]))
+    nll = -logp.gather(-1, safe[:, None])[:, 0]
+    nll = torch.where(in_range, nll, torch.full_like(nll, float("nan")))
+    loss = w_t * nll
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss - (label_smoothing / v) * (logp * w).sum(-1)
+    return torch.where(counted, loss, torch.zeros_like(loss)), w_t, counted
 
 
 def linear_cross_entropy(
@@ -40,30 +46,44 @@ def linear_cross_entropy(
     softcap=None,
     reduction="mean",
     return_metrics=False,
+    *,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    class_weight=None,
+    return_lse=False,
     compute_dtype=torch.float64,
+    **_ignored,
 ):
-    """Same signature and semantics as ``fused_linear_cross_entropy``; results in ``compute_dtype``."""
+    """Same signature and semantics as ``fused_linear_cross_entropy``; results in ``compute_dtype``.
+    Extra keyword arguments of the fused function that do not change the result (``chunk_bytes``)
+    are accepted and ignored."""
     z = logits(hidden, weight, bias, logit_scale, softcap, compute_dtype)
-    loss, counted = row_losses(z, targets, ignore_index)
-    count = counted.sum()
-    if reduction == "sum":
-        loss = loss.sum()
+    loss, w_t, counted = row_losses(z, targets, ignore_index, label_smoothing, class_weight)
+    lse = torch.logsumexp(z, dim=-1)
+    z_rows = torch.where(counted, z_loss * lse.square(), torch.zeros_like(lse))
+    if reduction == "none":
+        loss = loss + z_rows if z_loss else loss
+    elif reduction == "sum":
+        loss = loss.sum() + (z_rows.sum() if z_loss else 0.0)
     elif reduction == "mean":
-        loss = loss.sum() / count
-    elif reduction != "none":
+        loss = loss.sum() / w_t.sum() + (z_rows.sum() / counted.sum() if z_loss else 0.0)
+    else:
         raise ValueError(f"unknown reduction {reduction!r}")
-    if not return_metrics:
-        return loss
-    with torch.no_grad():
-        logp = torch.log_softmax(z, dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        hit = (z.argmax(-1) == targets).to(compute_dtype)
-        zero = torch.zeros_like(entropy)
-        metrics = {
-            "mean_token_accuracy": torch.where(counted, hit, zero).sum() / count,
-            "entropy": torch.where(counted, entropy, zero).sum() / count,
-        }
-    return loss, metrics
+    out = [loss]
+    if return_metrics:
+        with torch.no_grad():
+            logp = torch.log_softmax(z, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            hit = (z.argmax(-1) == targets).to(compute_dtype)
+            zero = torch.zeros_like(entropy)
+            count = counted.sum()
+            out.append({
+                "mean_token_accuracy": torch.where(counted, hit, zero).sum() / count,
+                "entropy": torch.where(counted, entropy, zero).sum() / count,
+            })
+    if return_lse:
+        out.append(lse)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def chunked_linear_cross_entropy(

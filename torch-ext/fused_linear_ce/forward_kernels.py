@@ -10,8 +10,9 @@ import triton.language as tl
 from .logits import logit_tile
 
 # Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
-STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_PZ, STAT_BEST = 0, 1, 2, 3, 4
-NUM_STATS = 5
+# STAT_WZ is sum_v w[v] z[v] (w = class weights, or 1), which label smoothing needs.
+STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_PZ, STAT_BEST, STAT_WZ = 0, 1, 2, 3, 4, 5
+NUM_STATS = 6
 
 
 @triton.jit
@@ -20,6 +21,7 @@ def lse_sweep_kernel(
     weight_ptr,  # (V, H) same dtype
     bias_ptr,  # (V,) same dtype, or dummy
     targets_ptr,  # (N,) int32/int64
+    class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 out
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
     N,
@@ -37,6 +39,8 @@ def lse_sweep_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     METRICS: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -47,8 +51,9 @@ def lse_sweep_kernel(
     """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
 
     Grid (cdiv(N, BLOCK_N), SPLIT). Per row it carries the running max m, the rescaled sum of
-    exp(z - m), the target logit (from the one tile that holds the target), and with METRICS
-    the rescaled sum of exp(z - m) * z and the running argmax. All fp32, no atomics.
+    exp(z - m), the target logit (from the one tile that holds the target), with METRICS
+    the rescaled sum of exp(z - m) * z and the running argmax, and with SMOOTHING the sum of
+    w[v] * z (label smoothing's mean logit, class-weighted when HAS_CLASS_WEIGHT). fp32, no atomics.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -62,6 +67,7 @@ def lse_sweep_kernel(
     s = tl.zeros((BLOCK_N,), tl.float32)
     z_target = tl.zeros((BLOCK_N,), tl.float32)
     pz = tl.zeros((BLOCK_N,), tl.float32)
+    wz = tl.zeros((BLOCK_N,), tl.float32)
     best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK_N,), tl.int32)
 
@@ -87,6 +93,12 @@ def lse_sweep_kernel(
             s = s * alpha + tl.sum(e, axis=1)
             is_target = offs_v[None, :] == target[:, None]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+            if SMOOTHING:
+                if HAS_CLASS_WEIGHT:
+                    w = tl.load(class_weight_ptr + cols)
+                    wz += tl.sum(tl.where(mask_v[None, :], w[None, :] * z, 0.0), axis=1)
+                else:
+                    wz += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
             if METRICS:
                 pz = pz * alpha + tl.sum(tl.where(mask_v[None, :], e * z, 0.0), axis=1)
                 tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
@@ -104,6 +116,8 @@ def lse_sweep_kernel(
         tl.store(base + 3 * plane, pz, mask=mask_n)
         tl.store(base + 4 * plane, best, mask=mask_n)
         tl.store(argmax_ptr + pid_s.to(tl.int64) * N + offs_n, best_idx, mask=mask_n)
+    if SMOOTHING:
+        tl.store(base + 5 * plane, wz, mask=mask_n)
 
 
 @triton.jit
@@ -112,16 +126,17 @@ def combine_kernel(
     argmax_ptr,  # (SPLIT, N) int32 in
     targets_ptr,  # (N,) int32/int64
     lse_ptr,  # (N,) fp32 out
-    loss_ptr,  # (N,) fp32 out: lse - z_t, 0 on ignored rows, NaN for an out-of-range target
-    entropy_ptr,  # (N,) fp32 out when METRICS, 0 on ignored rows
-    correct_ptr,  # (N,) fp32 out when METRICS: 1.0 where argmax == target, 0 on ignored rows
+    z_target_ptr,  # (N,) fp32 out: the target's logit; NaN for a target outside [0, V)
+    wz_ptr,  # (N,) fp32 out when SMOOTHING: sum_v w[v] z[v]
+    entropy_ptr,  # (N,) fp32 out when METRICS
+    correct_ptr,  # (N,) fp32 out when METRICS: 1.0 where argmax == target
     N,
     V,
     SPLIT,
     plane,  # SPLIT * N, from the host so it is int64 whenever it needs to be
     stride_t,
-    ignore_index,
     METRICS: tl.constexpr,
+    SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Merges the SPLIT partial statistics of each row. Grid (cdiv(N, BLOCK),), fp32."""
@@ -133,6 +148,7 @@ def combine_kernel(
     s_all = tl.zeros((BLOCK,), tl.float32)
     z_target = tl.zeros((BLOCK,), tl.float32)
     pz_all = tl.zeros((BLOCK,), tl.float32)
+    wz_all = tl.zeros((BLOCK,), tl.float32)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
     for i in range(0, SPLIT):
@@ -146,15 +162,15 @@ def combine_kernel(
             better = b > best
             best = tl.where(better, b, best)
             best_idx = tl.where(better, tl.load(argmax_ptr + i * N + offs, mask=mask, other=0), best_idx)
+        if SMOOTHING:
+            wz_all += tl.load(p + 5 * plane, mask=mask, other=0.0)
     lse = m_all + tl.log(s_all)
     target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)
-    ignored = target == ignore_index
     in_range = (target >= 0) & (target < V)
-    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - z_target, float("nan")))
     tl.store(lse_ptr + offs, lse, mask=mask)
-    tl.store(loss_ptr + offs, loss, mask=mask)
+    tl.store(z_target_ptr + offs, tl.where(in_range, z_target, float("nan")), mask=mask)
+    if SMOOTHING:
+        tl.store(wz_ptr + offs, wz_all, mask=mask)
     if METRICS:
-        entropy = lse - pz_all / s_all
-        tl.store(entropy_ptr + offs, tl.where(ignored, 0.0, entropy), mask=mask)
-        hit = (best_idx.to(tl.int64) == target).to(tl.float32)
-        tl.store(correct_ptr + offs, tl.where(ignored, 0.0, hit), mask=mask)
+        tl.store(entropy_ptr + offs, lse - pz_all / s_all, mask=mask)
+        tl.store(correct_ptr + offs, (best_idx.to(tl.int64) == target).to(tl.float32), mask=mask)

@@ -20,6 +20,9 @@ class Options:
     softcap: float | None = None
     reduction: str = "mean"
     return_metrics: bool = False
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    return_lse: bool = False
     chunk_bytes: int | None = None
 
 
@@ -27,7 +30,7 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def check_inputs(hidden, weight, targets, bias, opts: Options) -> None:
+def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None) -> None:
     """Raises TypeError / ValueError with a readable message for any input the kernels cannot take."""
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
@@ -61,9 +64,20 @@ def check_inputs(hidden, weight, targets, bias, opts: Options) -> None:
             raise ValueError(f"bias must have shape (V,) = ({v},), got {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype:
             raise TypeError(f"dtype mismatch: hidden is {hidden.dtype}, bias is {bias.dtype}")
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor):
+            raise TypeError(f"class_weight must be a torch.Tensor or None, got {type(class_weight).__name__}")
+        if class_weight.shape != (v,):
+            raise ValueError(f"class_weight must have shape (V,) = ({v},), got {tuple(class_weight.shape)}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"class_weight must be a floating-point tensor, got {class_weight.dtype}")
+        if class_weight.requires_grad:
+            raise ValueError("class_weight receives no gradient: pass class_weight.detach()")
     tensors = [("hidden", hidden), ("weight", weight), ("targets", targets)]
     if bias is not None:
         tensors.append(("bias", bias))
+    if class_weight is not None:
+        tensors.append(("class_weight", class_weight))
     devices = {t.device for _, t in tensors}
     if len(devices) > 1:
         where = ", ".join(f"{name} on {t.device}" for name, t in tensors)
@@ -85,6 +99,10 @@ def check_options(opts: Options) -> None:
         raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
     if not _is_real(opts.logit_scale):
         raise ValueError(f"logit_scale must be a finite real number, got {opts.logit_scale!r}")
+    if not (_is_real(opts.label_smoothing) and 0.0 <= opts.label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {opts.label_smoothing!r}")
+    if not (_is_real(opts.z_loss) and opts.z_loss >= 0.0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {opts.z_loss!r}")
     if opts.softcap is not None and not (_is_real(opts.softcap) and opts.softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
     if opts.chunk_bytes is not None and (

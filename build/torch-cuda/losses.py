@@ -1,0 +1,107 @@
+"""The loss variants on top of the sweep's per-row statistics: O(N) torch ops, no host sync.
+
+For a counted row n (target t != ignore_index), with w the class weights (ones when not given),
+W = sum_v w[v], eps the label smoothing and c the z-loss weight:
+
+    loss[n] = (1 - eps) w[t] (lse - z_t) + eps / V (W lse - sum_v w[v] z[v]) + c lse^2
+
+which is ``F.cross_entropy(z, t, weight=w, label_smoothing=eps)`` per row plus PaLM's z-loss.
+"mean" divides the first two terms by the sum of w[t] over counted rows (F.cross_entropy's weighted
+mean; the row count when unweighted) and the z-loss term by the number of counted rows.
+
+The gradient with respect to the logits is ``da = A p - B onehot(t) - C w`` (times the softcap and
+scale chain, applied in the kernel) with per-row coefficients
+
+    A = G ((1 - eps) w[t] + eps W / V) + Z 2 c lse + L,   B = G (1 - eps) w[t],   C = G eps / V
+
+where G and Z are the upstream gradients of the row's cross-entropy and z-loss terms after the
+reduction, and L that of the returned per-row lse. Ignored rows have G = Z = 0 (A = L, B = C = 0).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .validate import Options
+
+
+@dataclass
+class RowTerms:
+    """Per-row pieces of the loss, fp32 (N,), zero on ignored rows."""
+
+    ce: torch.Tensor  # the (weighted, smoothed) cross-entropy term
+    z: torch.Tensor | None  # c * lse^2, when z_loss > 0
+    target_weight: torch.Tensor  # w[t]; 0 on ignored rows
+    counted: torch.Tensor  # bool: target != ignore_index
+
+
+def target_weight(targets, class_weight, counted, v):
+    if class_weight is None:
+        return counted.to(torch.float32)
+    w = class_weight[targets.clamp(0, v - 1)]
+    return torch.where(counted, w, torch.zeros((), device=w.device))
+
+
+def row_terms(stats, targets, class_weight, opts: Options, v: int) -> RowTerms:
+    counted = targets != opts.ignore_index
+    w_t = target_weight(targets, class_weight, counted, v)
+    zero = torch.zeros((), device=stats.lse.device)
+    ce = (stats.lse - stats.z_target) * w_t if class_weight is not None else stats.lse - stats.z_target
+    eps = opts.label_smoothing
+    if eps:
+        w_sum = class_weight.sum() if class_weight is not None else float(v)
+        ce = (1.0 - eps) * ce + (eps / v) * (w_sum * stats.lse - stats.wz)
+    ce = torch.where(counted, ce, zero)
+    z = torch.where(counted, opts.z_loss * stats.lse.square(), zero) if opts.z_loss else None
+    return RowTerms(ce, z, w_t, counted)
+
+
+def reduce(terms: RowTerms, opts: Options) -> torch.Tensor:
+    """The loss as returned: (N,) for "none", else 0-d; fp32."""
+    if opts.reduction == "none":
+        return terms.ce if terms.z is None else terms.ce + terms.z
+    loss = terms.ce.sum()
+    if opts.reduction == "mean":
+        loss = loss / terms.target_weight.sum()
+    if terms.z is not None:
+        z = terms.z.sum()
+        loss = loss + (z / terms.counted.sum() if opts.reduction == "mean" else z)
+    return loss
+
+
+def metrics(stats, terms: RowTerms) -> torch.Tensor:
+    """[mean_token_accuracy, entropy] over counted rows, a (2,) fp32 tensor."""
+    zero = torch.zeros((), device=stats.lse.device)
+    sums = torch.stack([
+        torch.where(terms.counted, stats.correct, zero).sum(),
+        torch.where(terms.counted, stats.entropy, zero).sum(),
+    ])
+    return sums / terms.counted.sum()
+
+
+def coefficients(grad_loss, grad_lse, lse, targets, class_weight, terms: RowTerms, opts: Options, v):
+    """The (3, N) fp32 per-row coefficients A, B, C of ``da`` (module docstring). A counted row whose
+    target is outside [0, V) gets B = NaN, which the kernel turns into a NaN row."""
+    n = targets.shape[0]
+    zero = torch.zeros((), device=lse.device)
+    eps = opts.label_smoothing
+    if grad_loss is None:
+        g_ce = g_z = zero
+    else:
+        g = grad_loss.to(torch.float32)
+        g_ce = g_z = g
+        if opts.reduction == "mean":
+            g_ce = g / terms.target_weight.sum()
+            g_z = g / terms.counted.sum()
+    w_sum = (class_weight.sum() if class_weight is not None else float(v)) if eps else 0.0
+    coef_b = g_ce * (1.0 - eps) * terms.target_weight
+    coef_a = g_ce * ((1.0 - eps) * terms.target_weight + (eps / v) * w_sum)
+    if opts.z_loss:
+        coef_a = coef_a + g_z * (2.0 * opts.z_loss) * lse
+    coef_c = (g_ce * (eps / v)).expand(n) if eps else zero.expand(n)
+    coef_a, coef_b, coef_c = (torch.where(terms.counted, c.expand(n), zero) for c in (coef_a, coef_b, coef_c))
+    if grad_lse is not None:
+        coef_a = coef_a + grad_lse.to(torch.float32)
+    out_of_range = terms.counted & ((targets < 0) | (targets >= v))
+    coef_b = torch.where(out_of_range, torch.full((), float("nan"), device=lse.device), coef_b)
+    return torch.stack([coef_a, coef_b, coef_c])
