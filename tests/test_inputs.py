@@ -30,11 +30,11 @@ def _good():
 
 
 BAD = {
-    "hidden-1d": (lambda h, w, t: (h[0], w, t, None, {}), ValueError, "hidden must be 2-D"),
+    "hidden-1d": (lambda h, w, t: (h[0], w, t, None, {}), ValueError, "hidden must be"),
     "weight-3d": (lambda h, w, t: (h, w[None], t, None, {}), ValueError, "weight must be 2-D"),
-    "targets-2d": (lambda h, w, t: (h, w, t[:, None], None, {}), ValueError, "targets must be 1-D"),
+    "targets-2d": (lambda h, w, t: (h, w, t[:, None], None, {}), ValueError, "does not match hidden"),
     "H-mismatch": (lambda h, w, t: (h, w[:, :7], t, None, {}), ValueError, "hidden size mismatch"),
-    "N-mismatch": (lambda h, w, t: (h, w, t[:3], None, {}), ValueError, "targets has 3 rows"),
+    "N-mismatch": (lambda h, w, t: (h, w, t[:3], None, {}), ValueError, "does not match hidden"),
     "float-targets": (lambda h, w, t: (h, w, t.float(), None, {}), TypeError, "integer"),
     "bool-targets": (lambda h, w, t: (h, w, t > 0, None, {}), TypeError, "integer"),
     "int16-targets": (lambda h, w, t: (h, w, t.to(torch.int16), None, {}), TypeError, "int64"),

@@ -85,7 +85,7 @@ def test_returned_lse_is_exact_and_differentiable():
 def test_lse_with_metrics_keeps_the_documented_order():
     hidden, weight, _, targets = make_inputs(Case(9, 40, 100))
     loss, metrics, lse = fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True, return_lse=True)
-    assert loss.ndim == 0 and set(metrics) == {"mean_token_accuracy", "entropy"} and lse.shape == (9,)
+    assert loss.ndim == 0 and {"mean_token_accuracy", "entropy"} <= set(metrics) and lse.shape == (9,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -30,25 +30,25 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None) -> None:
+def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None, num_items_in_batch=None) -> None:
     """Raises TypeError / ValueError with a readable message for any input the kernels cannot take."""
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if hidden.ndim != 2:
-        raise ValueError(f"hidden must be 2-D (N, H), got shape {tuple(hidden.shape)}")
+    if hidden.ndim < 2:
+        raise ValueError(f"hidden must be (N, H) or (..., H), got shape {tuple(hidden.shape)}")
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
-    if targets.ndim != 1:
-        raise ValueError(f"targets must be 1-D (N,), got shape {tuple(targets.shape)}")
-    n, h = hidden.shape
+    h = hidden.shape[-1]
     v, hw = weight.shape
     if hw != h:
-        raise ValueError(f"hidden size mismatch: hidden is (N={n}, H={h}) but weight is (V={v}, H={hw})")
-    if targets.shape[0] != n:
-        raise ValueError(f"targets has {targets.shape[0]} rows but hidden has N={n}")
+        raise ValueError(f"hidden size mismatch: hidden is (..., H={h}) but weight is (V={v}, H={hw})")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} does not match hidden's leading shape {tuple(hidden.shape[:-1])}"
+        )
     if v == 0:
         raise ValueError("weight has no rows: the vocabulary must not be empty")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
@@ -90,6 +90,15 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
     if device.type not in ("cuda", "cpu"):
         raise RuntimeError(f"unsupported device {device}: this kernel runs on CUDA GPUs")
     check_options(opts)
+    if num_items_in_batch is not None:
+        if opts.reduction == "none":
+            raise ValueError("num_items_in_batch divides a summed loss; it cannot be used with reduction='none'")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.ndim != 0:
+                raise ValueError(f"num_items_in_batch must be an int or a 0-d tensor, got shape "
+                                 f"{tuple(num_items_in_batch.shape)}")
+        elif not isinstance(num_items_in_batch, int) or isinstance(num_items_in_batch, bool):
+            raise TypeError(f"num_items_in_batch must be an int or a 0-d tensor, got {num_items_in_batch!r}")
 
 
 def check_options(opts: Options) -> None:

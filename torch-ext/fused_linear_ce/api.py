@@ -2,8 +2,32 @@
 
 import torch
 
-from .autograd import FusedLinearCrossEntropyFunction, forward_only
+from dataclasses import replace
+
+from . import ops
 from .validate import Options, check_inputs
+
+
+def _autocast(hidden, weight, bias):
+    """Under torch.autocast, the operands go in the autocast dtype as F.linear's would (fp32
+    accumulation either way); the casts are differentiable, so gradients reach the parameters in
+    their own dtype."""
+    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+
+    def cast(t):
+        ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+        return t.to(dtype) if ok else t
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _shift(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Targets for causal LM: position t predicts t + 1 along the last dim; the last gets ignore_index.
+    Only the targets move (O(N) integers); hidden is used as it is."""
+    pad = targets.new_full((*targets.shape[:-1], 1), ignore_index)
+    return torch.cat([targets[..., 1:], pad], dim=-1)
 
 
 def fused_linear_cross_entropy(
@@ -21,15 +45,20 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     class_weight: torch.Tensor | None = None,
     return_lse: bool = False,
+    shift: bool = False,
+    num_items_in_batch: int | torch.Tensor | None = None,
     chunk_bytes: int | None = None,
 ):
     """Computes ``F.cross_entropy(softcap((hidden @ weight.T + bias) * logit_scale), targets)`` with
     fp32 logits, without materialising the (N, V) logits.
 
     Args:
-        hidden: (N, H) float32, bfloat16 or float16; any strides.
-        weight: (V, H), same dtype as ``hidden``.
-        targets: (N,) int64 (int32 accepted) class ids in [0, V), or ``ignore_index``.
+        hidden: (N, H) or (..., H) float32, bfloat16 or float16; any strides (2-D inputs are
+            never copied; others are reshaped, which copies only when they are not contiguous).
+        weight: (V, H), same dtype as ``hidden`` (under ``torch.autocast`` both are cast to the
+            autocast dtype, as ``F.linear`` does).
+        targets: (N,) or hidden's leading shape (...), int64 (int32 accepted), class ids in
+            [0, V) or ``ignore_index``.
         bias: optional (V,), same dtype.
         ignore_index: rows with this target count for nothing and get zero gradient.
         logit_scale: multiplies the logits (after the bias, before the softcap); 1/temperature.
@@ -46,6 +75,10 @@ def fused_linear_cross_entropy(
             receives no gradient.
         return_lse: also return the per-row log-sum-exp of z, (N,) fp32, differentiable (every row,
             ignored ones included).
+        shift: causal-LM targets: row t of each sequence (the last dim of ``targets``) is scored
+            against target t + 1, the last row of each sequence against nothing. No copy of hidden.
+        num_items_in_batch: int or 0-d tensor: the loss is the summed loss divided by it (the
+            global count of counted tokens under gradient accumulation); no host sync.
         chunk_bytes: the memory knob: the most bytes the backward's gradient-of-logits block may
             take (default 256 MiB). The backward walks the (N, V) plane in blocks of whole
             vocabulary rows or whole batch columns, whichever needs the smaller fp32 accumulator
@@ -53,8 +86,10 @@ def fused_linear_cross_entropy(
             fewer, larger products; see the README for measured time against memory.
 
     Returns:
-        The loss as fp32 (0-d, or (N,) with ``reduction="none"``); with ``return_metrics`` a tuple
-        ``(loss, metrics)``, metrics a dict of 0-d fp32 tensors; with ``return_lse`` the lse is
+        The loss as fp32 (0-d, or targets' shape with ``reduction="none"``); with ``return_metrics`` a
+        tuple ``(loss, metrics)``, metrics a dict of 0-d fp32 tensors: ``mean_token_accuracy``,
+        ``entropy``, and the raw sums ``num_correct``, ``entropy_sum``, ``num_counted`` for
+        reducing across ranks; with ``return_lse`` the lse (targets' shape) is
         appended: ``(loss, lse)`` or ``(loss, metrics, lse)``. A row whose target is out of range
         (neither ``ignore_index`` nor in [0, V)) has a NaN loss and NaN gradient; it is never read
         out of bounds. "mean" over zero counted rows is NaN, like ``F.cross_entropy``.
@@ -77,20 +112,31 @@ def fused_linear_cross_entropy(
         return_lse=return_lse,
         chunk_bytes=chunk_bytes,
     )
-    check_inputs(hidden, weight, targets, bias, opts, class_weight)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch)
+    lead = targets.shape
+    if shift and targets.ndim > 0 and targets.shape[-1] > 0:
+        targets = _shift(targets, ignore_index)
     if class_weight is not None:
         class_weight = class_weight.to(torch.float32).contiguous()
-    params = [t for t in (hidden, weight, bias) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in params):
-        loss, metrics, lse = FusedLinearCrossEntropyFunction.apply(
-            hidden, weight, bias, targets, class_weight, opts
-        )
-    else:
-        loss, metrics, stats, _ = forward_only(hidden, weight, targets, bias, class_weight, opts)
-        lse = stats.lse
+    if num_items_in_batch is not None:
+        opts = replace(opts, reduction="sum")
+    loss, sums, lse = ops.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts
+    )
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    if reduction == "none":
+        loss = loss.reshape(lead)
     out = [loss]
     if return_metrics:
-        out.append({"mean_token_accuracy": metrics[0], "entropy": metrics[1]})
+        out.append({
+            "mean_token_accuracy": sums[0] / sums[2],
+            "entropy": sums[1] / sums[2],
+            "num_correct": sums[0],
+            "entropy_sum": sums[1],
+            "num_counted": sums[2],
+        })
     if return_lse:
-        out.append(lse)
+        out.append(lse.reshape(lead))
     return out[0] if len(out) == 1 else tuple(out)

@@ -1,5 +1,5 @@
 """Host side: allocate, pick a configuration, launch. No validation here (``validate.py``), no autograd
-(``autograd.py``), no host synchronisation: every size comes from shapes, never from tensor values."""
+(``ops.py``), no host synchronisation: every size comes from shapes, never from tensor values."""
 
 import os
 from dataclasses import dataclass

@@ -69,14 +69,21 @@ def reduce(terms: RowTerms, opts: Options) -> torch.Tensor:
     return loss
 
 
-def metrics(stats, terms: RowTerms) -> torch.Tensor:
-    """[mean_token_accuracy, entropy] over counted rows, a (2,) fp32 tensor."""
+def row_terms_for_backward(targets, class_weight, opts: Options, v: int) -> RowTerms:
+    """The parts of RowTerms the backward needs (target weights, counted rows), from the targets."""
+    counted = targets != opts.ignore_index
+    return RowTerms(None, None, target_weight(targets, class_weight, counted, v), counted)
+
+
+def metric_sums(stats, terms: RowTerms) -> torch.Tensor:
+    """[correct tokens, sum of entropies, counted tokens] over counted rows, a (3,) fp32 tensor:
+    sums, so that a trainer can add them across ranks before dividing."""
     zero = torch.zeros((), device=stats.lse.device)
-    sums = torch.stack([
+    return torch.stack([
         torch.where(terms.counted, stats.correct, zero).sum(),
         torch.where(terms.counted, stats.entropy, zero).sum(),
+        terms.counted.sum().to(torch.float32),
     ])
-    return sums / terms.counted.sum()
 
 
 def coefficients(grad_loss, grad_lse, lse, targets, class_weight, terms: RowTerms, opts: Options, v):
