@@ -1,9 +1,12 @@
 """fused-linear-ce: cross-entropy of ``hidden @ weight.T (+ bias)`` without the (N, V) logits.
 
-Public surface: ``fused_linear_cross_entropy`` and the plain-torch ``reference``.
+Public surface: ``fused_linear_cross_entropy``; ``ForCausalLMLoss`` (transformers' loss-function
+signature, fused when given hidden states and the lm-head weight); ``layers`` (kernelize layers); the
+plain-torch ``reference``; ``configs`` (block sizes and the backward plan).
 """
 
-from . import configs, reference
+from . import configs, layers, reference
 from .api import fused_linear_cross_entropy
+from .layers import for_causal_lm_loss as ForCausalLMLoss
 
-__all__ = ["configs", "fused_linear_cross_entropy", "reference"]
+__all__ = ["ForCausalLMLoss", "configs", "fused_linear_cross_entropy", "layers", "reference"]
