@@ -23,7 +23,7 @@ def test_custom_ops_pass_opcheck():
     hidden, weight, targets = _problem()
     h2 = hidden.reshape(-1, 32).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    args = (h2, w, None, targets.reshape(-1), None, -100, 1.0, None, "mean", True, 0.1, 1e-3, True, None)
+    args = (h2, w, None, targets.reshape(-1), None, -100, 1.0, None, "mean", True, 0.1, 1e-3, True, None, 0)
     torch.library.opcheck(ops.forward, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import configs
+from . import configs, parallel
 from .backward_kernels import dlogits_kernel, matmul_kernel
 from .forward_kernels import NUM_STATS, combine_kernel, lse_sweep_kernel
 from .validate import Options
@@ -44,22 +44,26 @@ class RowStats:
     z_target: torch.Tensor  # the target's logit; NaN when the target is outside [0, V)
     wz: torch.Tensor | None  # sum_v w[v] z[v], with label smoothing only
     entropy: torch.Tensor | None  # with metrics only
-    correct: torch.Tensor | None  # with metrics only; 1.0 where argmax == target
+    best: torch.Tensor | None  # with metrics only: the largest logit
+    argmax: torch.Tensor | None  # with metrics only: its global class id (int64)
 
 
-def forward(hidden, weight, targets, bias, class_weight, opts: Options) -> RowStats:
-    """The vocabulary sweep: per-row log-sum-exp, target logit and optional sums, O(N) memory."""
+def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=None) -> RowStats:
+    """The vocabulary sweep: per-row log-sum-exp, target logit and optional sums, O(N) memory.
+    With a vocabulary ``shard`` (parallel.Shard) the statistics are merged across its group."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
     metrics = opts.return_metrics
     smoothing = opts.label_smoothing > 0
+    offset, v_total = (shard.offset, shard.v_total) if shard is not None else (0, v)
     lse = _new((n,), torch.float32, device)
     z_target = _new((n,), torch.float32, device)
     wz = _new((n,), torch.float32, device) if smoothing else None
     entropy = _new((n,), torch.float32, device) if metrics else None
-    correct = _new((n,), torch.float32, device) if metrics else None
-    stats_out = RowStats(lse, z_target, wz, entropy, correct)
+    best = _new((n,), torch.float32, device) if metrics else None
+    argmax_out = _new((n,), torch.int64, device) if metrics else None
+    stats_out = RowStats(lse, z_target, wz, entropy, best, argmax_out)
     if n == 0:
         return stats_out
 
@@ -78,7 +82,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options) -> RowSt
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
         n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
-        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split,
+        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, offset,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
         SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
@@ -86,10 +90,12 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options) -> RowSt
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
         stats, argmax, targets, lse, z_target,
-        wz if smoothing else lse, entropy if metrics else lse, correct if metrics else lse,
-        n, v, splits, splits * n, targets.stride(0),
+        wz if smoothing else lse, entropy if metrics else lse, best if metrics else lse,
+        argmax_out if metrics else argmax, n, v_total, offset, splits, splits * n, targets.stride(0),
         METRICS=metrics, SMOOTHING=smoothing, BLOCK=_COMBINE_BLOCK,
     )
+    if shard is not None:
+        parallel.merge_stats(stats_out, shard, metrics)
     return stats_out
 
 
@@ -128,11 +134,14 @@ def _fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     return scale, (1.0 / scale).reshape(1)
 
 
-def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Options, need_dx, need_dw, need_db):
+def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Options, need_dx, need_dw, need_db,
+             shard=None):
     """Recompute backward over blocks of the (N, V) plane (``configs.plan_backward``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself.
+    With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32 (every rank
+    gets the full grad_hidden); grad_weight and grad_bias are the shard's own.
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
     v = weight.shape[0]
@@ -151,7 +160,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Optio
 
     grad_hidden = dx_acc = grad_weight = dw_acc = None
     if need_dx:
-        grad_hidden, dx_acc = gradient((n, h), n_col_blocks > 1)
+        grad_hidden, dx_acc = gradient((n, h), n_col_blocks > 1 or shard is not None)
     if need_dw:
         grad_weight, dw_acc = gradient((v, h), n_row_blocks > 1)
         if n == 0:
@@ -179,6 +188,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Optio
                     row0, r, col0, c, v, h,
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
                     targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap, n,
+                    shard.offset if shard is not None else 0,
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
                     SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
                     BIAS_GRAD=need_db,
@@ -195,6 +205,10 @@ def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Optio
                 block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
                 db_acc += block_sum if unscale is None else block_sum * unscale
 
+    if need_dx and shard is not None:
+        if n == 0:
+            dx_acc.zero_()
+        parallel.all_reduce(dx_acc, shard)
     if need_dx and dx_acc is not grad_hidden:
         grad_hidden.copy_(dx_acc)
     if need_dw and dw_acc is not grad_weight:

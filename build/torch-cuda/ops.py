@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import launch, losses
+from . import launch, losses, parallel
 from .validate import Options
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
@@ -29,21 +29,25 @@ def forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     class_weight: Optional[torch.Tensor], ignore_index: int, logit_scale: float, softcap: Optional[float],
     reduction: str, return_metrics: bool, label_smoothing: float, z_loss: float, return_lse: bool,
-    chunk_bytes: Optional[int],
+    chunk_bytes: Optional[int], group_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, metric sums, lse): metric sums is (3,) [correct, entropy, counted rows] or (0,)."""
+    """(loss, metric sums, lse): metric sums is (3,) [correct, entropy, counted rows] or (0,).
+    ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none."""
     opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
                     return_lse, chunk_bytes)
-    stats = launch.forward(hidden, weight, targets, bias, class_weight, opts)
-    terms = losses.row_terms(stats, targets, class_weight, opts, weight.shape[0])
+    shard = parallel.shard_for(group_id, weight.shape[0])
+    stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+    counted = targets != ignore_index
+    weights = losses.target_weights(targets, class_weight, counted, weight.shape[0], shard)
+    terms = losses.row_terms(stats, targets, weights, opts)
     loss = losses.reduce(terms, opts)
-    sums = losses.metric_sums(stats, terms) if return_metrics else loss.new_empty((0,))
+    sums = losses.metric_sums(stats, targets, terms) if return_metrics else loss.new_empty((0,))
     return loss, sums, stats.lse
 
 
 @forward.register_fake
 def _(hidden, weight, bias, targets, class_weight, ignore_index, logit_scale, softcap, reduction,
-      return_metrics, label_smoothing, z_loss, return_lse, chunk_bytes):
+      return_metrics, label_smoothing, z_loss, return_lse, chunk_bytes, group_id):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     sums = hidden.new_empty((3,) if return_metrics else (0,), dtype=torch.float32)
@@ -55,22 +59,24 @@ def backward(
     grad_loss: torch.Tensor, grad_lse: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, class_weight: Optional[torch.Tensor],
     lse: torch.Tensor, ignore_index: int, logit_scale: float, softcap: Optional[float], reduction: str,
-    label_smoothing: float, z_loss: float, chunk_bytes: Optional[int], need_dx: bool, need_dw: bool,
-    need_db: bool,
+    label_smoothing: float, z_loss: float, chunk_bytes: Optional[int], group_id: int, need_dx: bool,
+    need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed."""
     opts = _options(ignore_index, logit_scale, softcap, reduction, False, label_smoothing, z_loss,
                     grad_lse is not None, chunk_bytes)
-    v = weight.shape[0]
-    terms = losses.row_terms_for_backward(targets, class_weight, opts, v)
-    coef = losses.coefficients(grad_loss, grad_lse, lse, targets, class_weight, terms, opts, v)
-    grads = launch.backward(hidden, weight, targets, bias, class_weight, lse, coef, opts, need_dx, need_dw, need_db)
+    shard = parallel.shard_for(group_id, weight.shape[0])
+    weights = losses.target_weights(targets, class_weight, targets != ignore_index, weight.shape[0], shard)
+    terms = losses.row_terms_for_backward(targets, weights, opts)
+    coef = losses.coefficients(grad_loss, grad_lse, lse, targets, weights, terms, opts)
+    grads = launch.backward(hidden, weight, targets, bias, class_weight, lse, coef, opts, need_dx, need_dw, need_db,
+                            shard)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
 
 @backward.register_fake
 def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse, ignore_index, logit_scale,
-      softcap, reduction, label_smoothing, z_loss, chunk_bytes, need_dx, need_dw, need_db):
+      softcap, reduction, label_smoothing, z_loss, chunk_bytes, group_id, need_dx, need_dw, need_db):
     empty = hidden.new_empty((0,))
     return (
         hidden.new_empty(hidden.shape) if need_dx else empty,
@@ -80,7 +86,7 @@ def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse, ign
 
 
 _OPTION_NAMES = ("ignore_index", "logit_scale", "softcap", "reduction", "return_metrics", "label_smoothing",
-                 "z_loss", "return_lse", "chunk_bytes")
+                 "z_loss", "return_lse", "chunk_bytes", "group_id")
 
 
 def _setup_context(ctx, inputs, output):
@@ -96,7 +102,7 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse):
     dx, dw, db = backward(
         grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse,
         o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["label_smoothing"], o["z_loss"],
-        o["chunk_bytes"], *ctx.needs,
+        o["chunk_bytes"], o["group_id"], *ctx.needs,
     )
     need_dx, need_dw, need_db = ctx.needs
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
@@ -106,6 +112,8 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse):
 forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def apply(hidden, weight, bias, targets, class_weight, opts: Options):
+def apply(hidden, weight, bias, targets, class_weight, opts: Options, group=None):
     """Calls the forward op with ``opts`` spread into its scalar arguments."""
-    return forward(hidden, weight, bias, targets, class_weight, *(getattr(opts, k) for k in _OPTION_NAMES))
+    group_id = parallel.register(group) if group is not None else 0
+    options = [getattr(opts, k) for k in _OPTION_NAMES[:-1]] + [group_id]
+    return forward(hidden, weight, bias, targets, class_weight, *options)

@@ -4,7 +4,7 @@ import torch
 
 from dataclasses import replace
 
-from . import ops
+from . import ops, parallel
 from .validate import Options, check_inputs
 
 
@@ -47,6 +47,7 @@ def fused_linear_cross_entropy(
     return_lse: bool = False,
     shift: bool = False,
     num_items_in_batch: int | torch.Tensor | None = None,
+    process_group=None,
     chunk_bytes: int | None = None,
 ):
     """Computes ``F.cross_entropy(softcap((hidden @ weight.T + bias) * logit_scale), targets)`` with
@@ -79,6 +80,11 @@ def fused_linear_cross_entropy(
             against target t + 1, the last row of each sequence against nothing. No copy of hidden.
         num_items_in_batch: int or 0-d tensor: the loss is the summed loss divided by it (the
             global count of counted tokens under gradient accumulation); no host sync.
+        process_group: vocabulary parallelism (torch.distributed): ``weight`` (and ``bias``,
+            ``class_weight``) are this rank's contiguous shard of the vocabulary, equal sizes, ranks
+            in group order; ``targets`` are global ids. Every rank gets the loss, metrics and lse of
+            the whole vocabulary and the full ``hidden`` gradient (already all-reduced: do not reduce
+            it again), and its own shard's weight and bias gradients. See ``parallel.py``.
         chunk_bytes: the memory knob: the most bytes the backward's gradient-of-logits block may
             take (default 256 MiB). The backward walks the (N, V) plane in blocks of whole
             vocabulary rows or whole batch columns, whichever needs the smaller fp32 accumulator
@@ -114,6 +120,8 @@ def fused_linear_cross_entropy(
     )
     hidden, weight, bias = _autocast(hidden, weight, bias)
     check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch)
+    if process_group is not None:
+        parallel.check_equal_shards(process_group, weight.shape[0])
     lead = targets.shape
     if shift and targets.ndim > 0 and targets.shape[-1] > 0:
         targets = _shift(targets, ignore_index)
@@ -122,7 +130,7 @@ def fused_linear_cross_entropy(
     if num_items_in_batch is not None:
         opts = replace(opts, reduction="sum")
     loss, sums, lse = ops.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts, process_group
     )
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch

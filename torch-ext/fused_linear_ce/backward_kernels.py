@@ -51,6 +51,7 @@ def dlogits_kernel(
     logit_scale,
     softcap,
     N,
+    vocab_offset,  # global id of this weight's first row (vocabulary-parallel shards), else 0
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     SMOOTHING: tl.constexpr,
@@ -93,7 +94,7 @@ def dlogits_kernel(
 
     p = tl.exp(z - lse[:, None])
     d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
-    d -= tl.where(offs_v[None, :] == target[:, None], coef_b[:, None], 0.0)
+    d -= tl.where(offs_v[None, :] + vocab_offset == target[:, None], coef_b[:, None], 0.0)
     d += tl.where(coef_b[:, None] != coef_b[:, None], float("nan"), 0.0)  # out-of-range target
     if SMOOTHING:
         coef_c = tl.load(coef_ptr + 2 * N + rows)

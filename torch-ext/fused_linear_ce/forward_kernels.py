@@ -36,6 +36,7 @@ def lse_sweep_kernel(
     logit_scale,
     softcap,
     tiles_per_split,
+    vocab_offset,  # global id of this weight's first row (vocabulary-parallel shards), else 0
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     METRICS: tl.constexpr,
@@ -91,7 +92,7 @@ def lse_sweep_kernel(
             alpha = tl.exp(m - m_new)
             e = tl.exp(z - m_new[:, None])
             s = s * alpha + tl.sum(e, axis=1)
-            is_target = offs_v[None, :] == target[:, None]
+            is_target = (offs_v[None, :] + vocab_offset == target[:, None]) & mask_v[None, :]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             if SMOOTHING:
                 if HAS_CLASS_WEIGHT:
@@ -126,12 +127,15 @@ def combine_kernel(
     argmax_ptr,  # (SPLIT, N) int32 in
     targets_ptr,  # (N,) int32/int64
     lse_ptr,  # (N,) fp32 out
-    z_target_ptr,  # (N,) fp32 out: the target's logit; NaN for a target outside [0, V)
+    z_target_ptr,  # (N,) fp32 out: the target's logit (0 when another shard holds it); NaN for a
+    #                target outside [0, V_total)
     wz_ptr,  # (N,) fp32 out when SMOOTHING: sum_v w[v] z[v]
     entropy_ptr,  # (N,) fp32 out when METRICS
-    correct_ptr,  # (N,) fp32 out when METRICS: 1.0 where argmax == target
+    best_ptr,  # (N,) fp32 out when METRICS: the largest logit
+    argmax_out_ptr,  # (N,) int64 out when METRICS: its global class id (first on ties)
     N,
-    V,
+    V_total,  # the whole vocabulary (all shards)
+    vocab_offset,
     SPLIT,
     plane,  # SPLIT * N, from the host so it is int64 whenever it needs to be
     stride_t,
@@ -166,11 +170,12 @@ def combine_kernel(
             wz_all += tl.load(p + 5 * plane, mask=mask, other=0.0)
     lse = m_all + tl.log(s_all)
     target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)
-    in_range = (target >= 0) & (target < V)
+    in_range = (target >= 0) & (target < V_total)
     tl.store(lse_ptr + offs, lse, mask=mask)
     tl.store(z_target_ptr + offs, tl.where(in_range, z_target, float("nan")), mask=mask)
     if SMOOTHING:
         tl.store(wz_ptr + offs, wz_all, mask=mask)
     if METRICS:
         tl.store(entropy_ptr + offs, lse - pz_all / s_all, mask=mask)
-        tl.store(correct_ptr + offs, (best_idx.to(tl.int64) == target).to(tl.float32), mask=mask)
+        tl.store(best_ptr + offs, best, mask=mask)
+        tl.store(argmax_out_ptr + offs, best_idx.to(tl.int64) + vocab_offset, mask=mask)

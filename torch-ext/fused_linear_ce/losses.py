@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import parallel
 from .validate import Options
 
 
@@ -35,22 +36,42 @@ class RowTerms:
     counted: torch.Tensor  # bool: target != ignore_index
 
 
-def target_weight(targets, class_weight, counted, v):
+@dataclass
+class TargetWeights:
+    """w[t] per row (0 on ignored rows) and W = sum_v w[v], over the whole vocabulary."""
+
+    per_row: torch.Tensor
+    total: torch.Tensor | float
+    weighted: bool
+    v_total: int
+
+
+def target_weights(targets, class_weight, counted, v_local, shard=None) -> TargetWeights:
+    """With a vocabulary shard, class_weight is the shard's slice: each rank looks up the targets it
+    holds and the rows are summed over the group."""
+    v_total = shard.v_total if shard is not None else v_local
     if class_weight is None:
-        return counted.to(torch.float32)
-    w = class_weight[targets.clamp(0, v - 1)]
-    return torch.where(counted, w, torch.zeros((), device=w.device))
+        return TargetWeights(counted.to(torch.float32), float(v_total), False, v_total)
+    offset = shard.offset if shard is not None else 0
+    local = targets - offset
+    w = class_weight[local.clamp(0, v_local - 1)]
+    total = class_weight.sum()
+    if shard is not None:
+        w = torch.where((local >= 0) & (local < v_local), w, torch.zeros((), device=w.device))
+        both = parallel.all_reduce(torch.cat([w, total[None]]), shard)
+        w, total = both[:-1], both[-1]
+    return TargetWeights(torch.where(counted, w, torch.zeros((), device=w.device)), total, True, v_total)
 
 
-def row_terms(stats, targets, class_weight, opts: Options, v: int) -> RowTerms:
+def row_terms(stats, targets, weights: TargetWeights, opts: Options) -> RowTerms:
     counted = targets != opts.ignore_index
-    w_t = target_weight(targets, class_weight, counted, v)
+    w_t = weights.per_row
+    v = weights.v_total
     zero = torch.zeros((), device=stats.lse.device)
-    ce = (stats.lse - stats.z_target) * w_t if class_weight is not None else stats.lse - stats.z_target
+    ce = (stats.lse - stats.z_target) * w_t if weights.weighted else stats.lse - stats.z_target
     eps = opts.label_smoothing
     if eps:
-        w_sum = class_weight.sum() if class_weight is not None else float(v)
-        ce = (1.0 - eps) * ce + (eps / v) * (w_sum * stats.lse - stats.wz)
+        ce = (1.0 - eps) * ce + (eps / v) * (weights.total * stats.lse - stats.wz)
     ce = torch.where(counted, ce, zero)
     z = torch.where(counted, opts.z_loss * stats.lse.square(), zero) if opts.z_loss else None
     return RowTerms(ce, z, w_t, counted)
@@ -69,24 +90,24 @@ def reduce(terms: RowTerms, opts: Options) -> torch.Tensor:
     return loss
 
 
-def row_terms_for_backward(targets, class_weight, opts: Options, v: int) -> RowTerms:
+def row_terms_for_backward(targets, weights: TargetWeights, opts: Options) -> RowTerms:
     """The parts of RowTerms the backward needs (target weights, counted rows), from the targets."""
-    counted = targets != opts.ignore_index
-    return RowTerms(None, None, target_weight(targets, class_weight, counted, v), counted)
+    return RowTerms(None, None, weights.per_row, targets != opts.ignore_index)
 
 
-def metric_sums(stats, terms: RowTerms) -> torch.Tensor:
+def metric_sums(stats, targets, terms: RowTerms) -> torch.Tensor:
     """[correct tokens, sum of entropies, counted tokens] over counted rows, a (3,) fp32 tensor:
     sums, so that a trainer can add them across ranks before dividing."""
     zero = torch.zeros((), device=stats.lse.device)
+    correct = (stats.argmax == targets).to(torch.float32)
     return torch.stack([
-        torch.where(terms.counted, stats.correct, zero).sum(),
+        torch.where(terms.counted, correct, zero).sum(),
         torch.where(terms.counted, stats.entropy, zero).sum(),
         terms.counted.sum().to(torch.float32),
     ])
 
 
-def coefficients(grad_loss, grad_lse, lse, targets, class_weight, terms: RowTerms, opts: Options, v):
+def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, terms: RowTerms, opts: Options):
     """The (3, N) fp32 per-row coefficients A, B, C of ``da`` (module docstring). A counted row whose
     target is outside [0, V) gets B = NaN, which the kernel turns into a NaN row."""
     n = targets.shape[0]
@@ -100,7 +121,8 @@ def coefficients(grad_loss, grad_lse, lse, targets, class_weight, terms: RowTerm
         if opts.reduction == "mean":
             g_ce = g / terms.target_weight.sum()
             g_z = g / terms.counted.sum()
-    w_sum = (class_weight.sum() if class_weight is not None else float(v)) if eps else 0.0
+    v = weights.v_total
+    w_sum = weights.total if eps else 0.0
     coef_b = g_ce * (1.0 - eps) * terms.target_weight
     coef_a = g_ce * ((1.0 - eps) * terms.target_weight + (eps / v) * w_sum)
     if opts.z_loss:

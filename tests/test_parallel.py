@@ -1,0 +1,130 @@
+"""Vocabulary parallelism over torch.distributed (gloo on CPU here, NCCL on GPUs): 2 and 3 processes
+started by the test, each holding a contiguous shard of the vocabulary; every result must equal the
+single-process result on the unsharded weight. Also DDP and FSDP2 data parallelism with the loss."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cases import Case, class_weights, make_inputs
+from conftest import rel_err
+from fused_linear_ce import fused_linear_cross_entropy
+
+SHARDED_CASES = [
+    dict(reduction="mean", return_metrics=True),
+    dict(reduction="none", ignored=0.2, bias=True, logit_scale=0.7, softcap=3.0),
+    dict(reduction="sum", ignored=0.2, label_smoothing=0.1, z_loss=1e-3, class_weight=True, return_metrics=True),
+    dict(reduction="mean", dtype=torch.bfloat16, bias=True, return_metrics=True, chunk_bytes=16 * 96 * 2),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world, *args):
+    port = _free_port()
+    mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
+
+
+def _init(rank, world, port):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _run(hidden, weight, bias, targets, cw, kwargs, group=None):
+    leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
+    out = fused_linear_cross_entropy(leaves[0], leaves[1], targets, leaves[2], class_weight=cw, return_lse=True,
+                                     process_group=group, **kwargs)
+    loss, *rest = out
+    metrics = rest[0] if kwargs.get("return_metrics") else None
+    lse = rest[-1]
+    g = torch.Generator().manual_seed(5)
+    upstream = torch.rand(loss.shape, generator=g) + 0.5
+    (loss * upstream).sum().add((lse * 0.1).sum()).backward()
+    return loss.detach(), metrics, lse.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+def _sharded_worker(rank, world, port, index):
+    _init(rank, world, port)
+    try:
+        spec = dict(SHARDED_CASES[index])
+        opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes") if k in spec}
+        case = Case(23, 40, 96, **{k: v for k, v in spec.items()
+                                                                          if k in Case.__dataclass_fields__})
+        kwargs = dict(reduction=case.reduction, ignore_index=case.ignore_index, logit_scale=case.logit_scale,
+                      softcap=case.softcap, **opts)
+        hidden, weight, bias, targets = make_inputs(case, device="cpu")
+        cw = class_weights(case, device="cpu")
+        shard = slice(rank * case.v // world, (rank + 1) * case.v // world)
+        full = _run(hidden, weight, bias, targets, cw, kwargs)
+        part = _run(hidden, weight[shard].contiguous(), None if bias is None else bias[shard].contiguous(), targets,
+                    None if cw is None else cw[shard].contiguous(), kwargs, group=dist.group.WORLD)
+        tol = 1e-5 if case.dtype == torch.float32 else 1e-2
+        assert rel_err(part[0], full[0]) < 1e-5, "loss"
+        assert rel_err(part[2], full[2]) < 1e-6, "lse"
+        if full[1] is not None:
+            for k in full[1]:
+                assert abs(part[1][k].item() - full[1][k].item()) <= 1e-5 * (1 + abs(full[1][k].item())), k
+        assert rel_err(part[3][0], full[3][0]) < tol, "grad_hidden (full on every rank)"
+        assert rel_err(part[3][1], full[3][1][shard]) < tol, "grad_weight shard"
+        if bias is not None:
+            assert rel_err(part[3][2], full[3][2][shard]) < tol, "grad_bias shard"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("index", range(len(SHARDED_CASES)), ids=lambda i: "-".join(
+    f"{k}={v}" for k, v in SHARDED_CASES[i].items()))
+def test_vocabulary_parallel_equals_single_process(world, index):
+    _spawn(_sharded_worker, world, index)
+
+
+def _unequal_worker(rank, world, port):
+    _init(rank, world, port)
+    try:
+        hidden, weight, _, targets = make_inputs(Case(5, 16, 30), device="cpu")
+        with pytest.raises(ValueError, match="equal sizes"):
+            fused_linear_cross_entropy(hidden, weight[: 10 + rank], targets, process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unequal_shards_raise():
+    _spawn(_unequal_worker, 2)
+
+
+def _data_parallel_worker(rank, world, port, mode):
+    _init(rank, world, port)
+    try:
+        import importlib.util
+
+        from conftest import REPO
+
+        spec = importlib.util.spec_from_file_location("data_parallel_example", REPO / "examples" / "data_parallel.py")
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        loss, grads = example.train_step(mode)
+        # One process, whole batch, plain mean loss: the reference.
+        torch.manual_seed(0)
+        single = example.TinyLM()
+        ids, labels = example.batch(0)
+        ref = single(ids, labels, example.global_count(labels), 1)
+        ref.backward()
+        assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+        for name, p in single.named_parameters():
+            assert rel_err(grads[name], p.grad) < 1e-5, name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_data_parallel_example_equals_one_process(mode):
+    _spawn(_data_parallel_worker, 2, mode)

@@ -1,0 +1,95 @@
+"""Vocabulary parallelism: weight (and bias, class_weight) are this rank's contiguous shard of the
+vocabulary, ranks in group order; targets hold global class ids. Communication is torch.distributed
+(NCCL on GPUs, gloo on CPU): a few all-reduces of O(N) numbers per pass, never a (N, V) tensor.
+
+Forward: each rank sweeps its shard; per row it has its shard's lse_r, target logit (0 where another
+shard holds the target), sum of w z, and the entropy's E_r[z] = lse_r - entropy_r, best logit and
+its global id. Merged with MAX (lse, best), SUM (exp(lse_r - lse_max) [x E_r[z]], target logit,
+sum w z) and MIN (the global id among the shards that hold the global best: first index on ties).
+Backward: each rank forms da on its shard from the global lse; grad_weight / grad_bias are its
+shard's; the partial grad_hidden (da_r @ weight_r) is all-reduced in fp32 here, so every rank gets
+the full grad_hidden: do not reduce it again.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_GROUPS: dict[int, object] = {}
+
+
+@dataclass(frozen=True)
+class Shard:
+    group: object
+    rank: int
+    world: int
+    v_local: int
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.v_local
+
+    @property
+    def v_total(self) -> int:
+        return self.world * self.v_local
+
+
+def register(group) -> int:
+    """A small int that names ``group`` inside custom-op arguments (0: no group)."""
+    key = id(group)
+    _GROUPS[key] = group
+    return key
+
+
+def shard_for(group_id: int, v_local: int) -> Shard | None:
+    if group_id == 0:
+        return None
+    group = _GROUPS[group_id]
+    return Shard(group, dist.get_rank(group), dist.get_world_size(group), v_local)
+
+
+@functools.lru_cache(maxsize=None)
+def _sizes_checked(group_id: int, v_local: int) -> None:
+    sizes = [None] * dist.get_world_size(_GROUPS[group_id])
+    dist.all_gather_object(sizes, v_local, group=_GROUPS[group_id])
+    if len(set(sizes)) != 1:
+        raise ValueError(f"vocabulary shards must have equal sizes across the process group, got {sizes}")
+
+
+def check_equal_shards(group, v_local: int) -> None:
+    """Raises unless every rank holds the same number of vocabulary rows (checked once per size)."""
+    _sizes_checked(register(group), v_local)
+
+
+def all_reduce(t: torch.Tensor, shard: Shard, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(t, op=op, group=shard.group)
+    return t
+
+
+def merge_stats(stats, shard: Shard, metrics: bool):
+    """The per-row statistics of the whole vocabulary from each rank's shard (module docstring)."""
+    lse_r = stats.lse
+    top = torch.stack([lse_r, stats.best]) if metrics else lse_r[None].clone()
+    all_reduce(top, shard, dist.ReduceOp.MAX)
+    lse_max = top[0]
+    scale = torch.exp(lse_r - lse_max)
+    parts = [scale, stats.z_target]
+    if metrics:
+        parts.append(scale * (lse_r - stats.entropy))
+    if stats.wz is not None:
+        parts.append(stats.wz)
+    sums = all_reduce(torch.stack(parts), shard)
+    lse = lse_max + torch.log(sums[0])
+    stats.lse.copy_(lse)
+    stats.z_target.copy_(sums[1])
+    if stats.wz is not None:
+        stats.wz.copy_(sums[-1])
+    if metrics:
+        stats.entropy.copy_(lse - sums[2] / sums[0])
+        holds_best = stats.best == top[1]
+        idx = torch.where(holds_best, stats.argmax, torch.full_like(stats.argmax, torch.iinfo(torch.int64).max))
+        stats.argmax.copy_(all_reduce(idx, shard, dist.ReduceOp.MIN))
+        stats.best.copy_(top[1])
+    return stats
