@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Generates the Hub card (the `README.md` of the Hub repo's `main` branch) from this repo's README.md.
+
+The card is the README's title and introduction plus its user-facing `## ` sections, copied verbatim,
+under a YAML front matter (license from metadata.json, `library_name: kernels`, tags). Nothing is
+written by hand twice, so the card and the README cannot disagree; `scripts/upload.py` uploads the
+output of `render_card()`, and tests/test_publish.py checks it against the current README.
+
+Sections named in `REPO_ONLY_SECTIONS` (how to develop and publish this repo) are left out; every other
+`## ` section goes in, in README order, and `REQUIRED_SECTIONS` must exist (usage, benchmark table,
+clean-room statement). Images the kept sections show with a relative path (`![..](benchmarks/...png)`)
+are returned by `card_assets()`: the upload puts them next to the card on `main`, where the relative
+links resolve.
+
+Nothing is written into the repo (kernel-builder treats a top-level CARD.md as a template of its own,
+and anything extra under build/ is stale for scripts/sync_build.py).
+
+Usage:
+    python3 scripts/make_card.py                 # print the card
+    python3 scripts/make_card.py --output FILE   # write it to FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+REPO_ONLY_SECTIONS = ("Development", "Maintainers")
+REQUIRED_SECTIONS = ("Install and use", "Memory and speed", "Clean room")
+TAGS = (
+    "kernels",
+    "kernel",
+    "triton",
+    "cuda",
+    "cross-entropy",
+    "fused-linear-cross-entropy",
+    "loss",
+    "llm-training",
+)
+_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def split_sections(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """`(preamble, [(heading, section text)])`: the text before the first `## ` line, then each `## `
+    section verbatim (heading line included, trailing blank lines stripped). Fenced code is skipped."""
+    preamble: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    in_fence = False
+    for line in text.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_fence = not in_fence
+        if not in_fence and line.startswith("## "):
+            sections.append((line[3:].strip(), [line]))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            preamble.append(line)
+    return "\n".join(preamble).rstrip(), [(h, "\n".join(lines).rstrip()) for h, lines in sections]
+
+
+def card_sections(repo: Path = REPO) -> tuple[str, list[tuple[str, str]]]:
+    """The README's preamble and the sections that go on the card; raises if a required one is missing."""
+    readme = repo / "README.md"
+    if not readme.is_file():
+        raise FileNotFoundError(f"{readme} is missing: the card is generated from it")
+    preamble, sections = split_sections(readme.read_text(encoding="utf-8"))
+    headings = [h for h, _ in sections]
+    missing = [h for h in REQUIRED_SECTIONS if h not in headings]
+    if missing:
+        raise ValueError(f"README.md lacks the section(s) the card needs: {missing} (has {headings})")
+    return preamble, [(h, body) for h, body in sections if h not in REPO_ONLY_SECTIONS]
+
+
+def _general(repo: Path) -> dict:
+    return tomllib.loads((repo / "build.toml").read_text(encoding="utf-8"))["general"]
+
+
+def front_matter(repo: Path = REPO) -> str:
+    license_id = json.loads((repo / "metadata.json").read_text(encoding="utf-8"))["license"]
+    lines = ["---", "library_name: kernels", f"license: {license_id}", "tags:"]
+    lines += [f"- {tag}" for tag in TAGS]
+    return "\n".join(lines + ["---"])
+
+
+def render_card(repo: Path = REPO) -> str:
+    """The whole card: front matter, README title + introduction, the kept sections, a footer."""
+    preamble, sections = card_sections(repo)
+    general = _general(repo)
+    footer = (
+        f"<sub>This card is generated from the project README by `scripts/make_card.py`. Version "
+        f"{general['version']} of `{general['hub']['repo-id']}` is the Hub branch `v{general['version']}` "
+        f"(`get_kernel(..., version={general['version']})`).</sub>"
+    )
+    parts = [front_matter(repo), preamble] + [body for _, body in sections] + [footer]
+    return "\n\n".join(parts) + "\n"
+
+
+def card_assets(repo: Path = REPO) -> list[str]:
+    """Repo-relative paths of the images the card shows with relative links (uploaded beside it)."""
+    _, sections = card_sections(repo)
+    found: list[str] = []
+    for _, body in sections:
+        for target in _IMAGE.findall(body):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("/"):
+                continue  # absolute URL
+            rel = target.split("#", 1)[0]
+            if not (repo / rel).is_file():
+                raise FileNotFoundError(f"README.md shows {target!r}, which is not a file in the repo")
+            if rel not in found:
+                found.append(rel)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=REPO, help="repository root (default: this script's repo)")
+    parser.add_argument("--output", type=Path, help="write the card here instead of stdout")
+    args = parser.parse_args(argv)
+    try:
+        card = render_card(args.repo.resolve())
+    except (OSError, ValueError, KeyError) as e:
+        print(f"make_card.py: {e}", file=sys.stderr)
+        return 1
+    if args.output:
+        args.output.write_text(card, encoding="utf-8")
+    else:
+        sys.stdout.write(card)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Publishes the kernel to the Hugging Face Hub, the way `kernel-builder upload` lays a kernel repo out.
+
+* Branch `v<version>` (version from metadata.json) of a `kernel`-type repo gets exactly
+  `build/<variant>/**` for every variant folder under build/ (no `__pycache__/`, no `*.pyc`) and
+  `benchmarks/benchmark*.py` if any; files under `build/` (and stale `benchmarks/benchmark*.py`) that
+  the branch has but this checkout does not are deleted in the same commit. The repo and the branch
+  are created when missing (a new branch starts from `main`'s head, as kernel-builder's does).
+* Branch `main` gets the card as README.md (`scripts/make_card.py`, generated from README.md) and the
+  images it shows.
+
+It refuses (exit 2, nothing uploaded) when the metadata is invalid (kernels' own parser, as the loader
+reads it), when build/ is out of sync with torch-ext/ (`scripts/sync_build.py --check`) or when the git
+working tree is dirty (`git status --porcelain`). `--dry-run` runs the same checks and prints the
+operations, one per line, without any network access; `--remote-files FILE` (paths on the version
+branch, one per line) stands in for the Hub's listing so the deletions can be seen too. Without it a
+dry run assumes the branch does not exist yet.
+
+Usage:
+    python3 scripts/upload.py --dry-run [--remote-files FILE]
+    HF_TOKEN=... python3 scripts/upload.py [--repo-id ORG/NAME] [--repo-type kernel|model]
+
+As a module: `plan_operations(repo_root, remote_files)` (pure: reads the checkout only),
+`preflight(repo_root)` (the refusals), `execute(operations, api, ...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_card  # noqa: E402
+import sync_build  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = "main"
+REPO_TYPE = "kernel"  # huggingface_hub.constants.REPO_TYPE_KERNEL
+URL_PREFIX = {"kernel": "kernels/", "model": ""}  # huggingface_hub.constants.REPO_TYPES_URL_PREFIXES
+BENCHMARK_GLOB = "benchmark*.py"
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One step. `action`: create-repo | create-branch | upload | delete. `path`: the repo id, the branch
+    or the path in the repo. `branch`: where an upload/delete goes. `source`/`data`: what is uploaded."""
+
+    action: str
+    path: str
+    branch: str | None = None
+    source: Path | None = None
+    data: bytes | None = None
+
+    def __str__(self) -> str:
+        line = f"{self.action} {self.path}"
+        return f"{line} -> {self.branch}" if self.branch == MAIN else line
+
+
+def _general(repo: Path) -> dict:
+    return tomllib.loads((repo / "build.toml").read_text(encoding="utf-8"))["general"]
+
+
+def default_repo_id(repo: Path = REPO) -> str:
+    return _general(repo)["hub"]["repo-id"]
+
+
+def version_branch(repo: Path = REPO) -> str:
+    return f"v{json.loads((repo / 'metadata.json').read_text(encoding='utf-8'))['version']}"
+
+
+def _ignored(rel: Path) -> bool:
+    return "__pycache__" in rel.parts or rel.suffix == ".pyc"
+
+
+def local_branch_files(repo: Path = REPO) -> dict[str, Path]:
+    """`{path in repo: local file}` of what the version branch must hold: build/<variant>/** of every
+    variant folder, and benchmarks/benchmark*.py."""
+    files: dict[str, Path] = {}
+    build = repo / "build"
+    variants = sorted(p for p in build.iterdir() if p.is_dir() and p.name != "__pycache__") if build.is_dir() else []
+    if not variants:
+        raise FileNotFoundError(f"no build variant under {build}")
+    for variant in variants:
+        for path in sorted(variant.rglob("*")):
+            rel = path.relative_to(repo)
+            if path.is_file() and not _ignored(rel):
+                files[rel.as_posix()] = path
+    for path in sorted((repo / "benchmarks").glob(BENCHMARK_GLOB)):
+        if path.is_file():
+            files[path.relative_to(repo).as_posix()] = path
+    return dict(sorted(files.items()))
+
+
+def _stale(remote_path: str, local: dict[str, Path]) -> bool:
+    """A branch file this upload removes: under build/, or a benchmarks/benchmark*.py, and not local."""
+    if remote_path in local:
+        return False
+    if remote_path.startswith("build/"):
+        return True
+    head, _, name = remote_path.rpartition("/")
+    return head == "benchmarks" and fnmatch.fnmatch(name, BENCHMARK_GLOB)
+
+
+def plan_operations(
+    repo_root: Path,
+    remote_files: list[str] | None,
+    *,
+    repo_id: str | None = None,
+    repo_type: str = REPO_TYPE,
+    new_branch: bool | None = None,
+) -> list[Operation]:
+    """Everything an upload does, in order. Reads the checkout only; no network.
+
+    `remote_files`: the files on the version branch, or None when it does not exist and starts empty.
+    `new_branch=True` with a list: the branch does not exist and will start with those files (a new
+    branch is a copy of `main`). Default: new exactly when `remote_files` is None."""
+    repo = Path(repo_root)
+    repo_id = repo_id or default_repo_id(repo)
+    branch = version_branch(repo)
+    local = local_branch_files(repo)
+    ops = [Operation("create-repo", f"{URL_PREFIX[repo_type]}{repo_id}")]
+    if remote_files is None if new_branch is None else new_branch:
+        ops.append(Operation("create-branch", branch))
+    ops += [Operation("delete", p, branch) for p in sorted(set(remote_files or ())) if _stale(p, local)]
+    ops += [Operation("upload", p, branch, source=src) for p, src in local.items()]
+    ops.append(Operation("upload", "README.md", MAIN, data=make_card.render_card(repo).encode("utf-8")))
+    ops += [Operation("upload", p, MAIN, source=repo / p) for p in make_card.card_assets(repo)]
+    return ops
+
+
+def preflight(repo_root: Path) -> list[str]:
+    """Reasons not to publish this checkout; empty when it may be published."""
+    from kernels._rust import Metadata  # the loader's own parser
+
+    repo = Path(repo_root)
+    problems: list[str] = []
+    general = _general(repo)
+    metadata_files = [repo / "metadata.json"] + sorted((repo / "build").glob("*/metadata.json"))
+    for path in metadata_files:
+        rel = path.relative_to(repo)
+        try:
+            meta = Metadata.read_from_file(path)
+        except (OSError, ValueError) as e:
+            problems.append(f"invalid metadata: {rel}: {e}")
+            continue
+        if str(meta.name) != general["name"] or meta.version != general["version"]:
+            problems.append(
+                f"invalid metadata: {rel}: name/version {meta.name}/{meta.version} do not match build.toml "
+                f"{general['name']}/{general['version']}"
+            )
+    if not problems:
+        try:
+            stale = sync_build.check(repo)
+        except (OSError, ValueError) as e:
+            stale = [f"cannot compute the expected build: {e}"]
+        if stale:
+            problems.append(
+                "build/ is out of sync with torch-ext/ (run `python3 scripts/sync_build.py` and commit): "
+                + "; ".join(stale)
+            )
+    status = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True, check=False
+    )
+    if status.returncode != 0:
+        problems.append(f"not a git working tree: {status.stderr.strip()}")
+    elif status.stdout.strip():
+        changed = "\n".join(f"      {line}" for line in status.stdout.rstrip().splitlines())
+        problems.append(f"git working tree is dirty (commit or stash first):\n{changed}")
+    return problems
+
+
+def _git_head(repo: Path) -> str:
+    out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def remote_branch_files(api, repo_id: str, repo_type: str, branch: str, token: str) -> tuple[list[str], bool]:
+    """`(files, exists)`: the files on `branch`, or when it does not exist yet the files it will start
+    with (those of `main`, which a new branch copies; none for a new repo)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        refs = api.list_repo_refs(repo_id, repo_type=repo_type, token=token)
+    except RepositoryNotFoundError:
+        return [], False
+    branches = {ref.name for ref in refs.branches}
+    source = branch if branch in branches else MAIN if MAIN in branches else None
+    if source is None:
+        return [], False
+    return list(api.list_repo_files(repo_id, revision=source, repo_type=repo_type, token=token)), source == branch
+
+
+def execute(operations: list[Operation], api, *, repo_id: str, repo_type: str, token: str, message: str) -> None:
+    """Runs a plan: repo and branch creation first, then one commit per branch, in plan order."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    commits: dict[str, list] = {}
+    for op in operations:
+        if op.action == "create-repo":
+            api.create_repo(repo_id, repo_type=repo_type, exist_ok=True, token=token)
+        elif op.action == "create-branch":
+            api.create_branch(repo_id, branch=op.path, repo_type=repo_type, exist_ok=True, token=token)
+        elif op.action == "delete":
+            commits.setdefault(op.branch, []).append(CommitOperationDelete(path_in_repo=op.path))
+        elif op.action == "upload":
+            content = op.data if op.data is not None else str(op.source)
+            commits.setdefault(op.branch, []).append(CommitOperationAdd(path_in_repo=op.path, path_or_fileobj=content))
+        else:
+            raise ValueError(f"unknown operation {op}")
+    for branch, ops in commits.items():
+        api.create_commit(
+            repo_id, operations=ops, commit_message=message, repo_type=repo_type, revision=branch, token=token
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo-id", help="Hub repo (default: [general.hub] repo-id of build.toml)")
+    parser.add_argument("--repo-type", choices=sorted(URL_PREFIX), default=REPO_TYPE)
+    parser.add_argument("--dry-run", action="store_true", help="check and print the operations; no network")
+    parser.add_argument("--remote-files", type=Path, help="dry run: files on the version branch, one per line")
+    parser.add_argument("--token", help="Hub token (default: environment variable HF_TOKEN)")
+    parser.add_argument("--repo", type=Path, default=REPO, help="repository root (default: this script's repo)")
+    args = parser.parse_args(argv)
+    repo = args.repo.resolve()
+    if args.remote_files and not args.dry_run:
+        parser.error("--remote-files is for --dry-run only")
+
+    problems = preflight(repo)
+    if problems:
+        print("upload.py: refusing to publish:", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    repo_id = args.repo_id or default_repo_id(repo)
+    branch = version_branch(repo)
+
+    if args.dry_run:
+        remote = None
+        if args.remote_files:
+            lines = args.remote_files.read_text(encoding="utf-8").splitlines()
+            remote = [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+        else:
+            print(f"upload.py: dry run, assuming branch {branch} does not exist yet", file=sys.stderr)
+        for op in plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type):
+            print(op)
+        return 0
+
+    token = args.token or os.environ.get("HF_TOKEN")
+    if not token:
+        print("upload.py: no token: pass --token or set HF_TOKEN", file=sys.stderr)
+        return 2
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
+    operations = plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists)
+    for op in operations:
+        print(op)
+    execute(
+        operations,
+        api,
+        repo_id=repo_id,
+        repo_type=args.repo_type,
+        token=token,
+        message=f"Upload {_general(repo)['name']} {branch} from {_git_head(repo)}",
+    )
+    print(f"upload.py: published {repo_id} ({args.repo_type}) branch {branch} and the card on {MAIN}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

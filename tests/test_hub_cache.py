@@ -1,0 +1,169 @@
+"""The Hub path without the Hub: a Hugging Face cache holding what scripts/upload.py puts on branch `v1`,
+read by the real loader with HF_HUB_OFFLINE=1 (`get_kernel`, `has_kernel`, `kernels info`).
+
+The cache (tests/hub_offline.py) is what `hf download --repo-type kernel trl-lib/fused-linear-ce
+--revision v1` leaves: `kernels--trl-lib--fused-linear-ce/{blobs,snapshots/<commit>,refs/v1,trees}`.
+On a CPU-only torch the `torch-cuda` variant is refused with the loader's own message; on a CUDA torch
+it loads from the snapshot (and computes a loss when a GPU is visible): that half runs in the GPU job.
+No test here may reach the network: sockets are refused in process and in subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kernels.resolver
+import pytest
+import torch
+import torch.nn.functional as F
+from huggingface_hub import constants, get_cached_repo_tree, snapshot_download
+from hub_offline import build_hub_cache, guarded_env, hf_env, load_script, refuse_network
+from kernels import Metadata, get_kernel, has_kernel
+from kernels._versions import _get_available_versions_from_cache
+
+REPO = Path(__file__).resolve().parents[1]
+REPO_ID = tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))["general"]["hub"]["repo-id"]
+VERSION = Metadata.read_from_file(REPO / "metadata.json").version
+BRANCH = f"v{VERSION}"
+CACHE_FOLDER = "kernels--" + REPO_ID.replace("/", "--")  # kernels--trl-lib--fused-linear-ce
+TORCH_IS_CUDA_BUILD = torch.version.cuda is not None
+TORCH_IS_CPU_BUILD = torch.version.cuda is None and torch.version.hip is None
+HAS_GPU = torch.cuda.is_available()
+KERNELS_CLI = [sys.executable, "-c", "import sys; from kernels.cli import main; sys.argv[0] = 'kernels'; main()"]
+
+
+upload = load_script("upload")
+
+
+def branch_files() -> dict[str, bytes]:
+    """What the version branch holds after scripts/upload.py, plus the .gitattributes of a new Hub repo."""
+    ops = upload.plan_operations(REPO, None)
+    files = {op.path: op.source.read_bytes() for op in ops if op.action == "upload" and op.branch == BRANCH}
+    assert any(p.startswith("build/torch-cuda/") for p in files)
+    files[".gitattributes"] = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+    return files
+
+
+def variant_refusal(commit: str) -> str:
+    return (
+        f"Cannot find a build variant for this system in {REPO_ID} (revision: {commit}):\n\n"
+        "torch-cuda: backend (cuda) does not match system backend (cpu) and is not universal"
+    )
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """Offline mode with an empty cache in tmp_path, set both in the environment and in the constants
+    the libraries read at import time; LOCAL_KERNELS unset so that the cache is what resolves."""
+    home = tmp_path / "hf_home"
+    for key, value in hf_env(home).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    monkeypatch.delenv("KERNELS_CACHE", raising=False)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(kernels.resolver, "CACHE_DIR", None)  # KERNELS_CACHE unset: the HF hub cache
+    refuse_network(monkeypatch)
+    return home / "hub"
+
+
+def test_cache_layout_is_what_the_libraries_read(hub_cache):
+    files = branch_files()
+    commit, snapshot = build_hub_cache(hub_cache, REPO_ID, files, ref=BRANCH)
+    assert snapshot == hub_cache / CACHE_FOLDER / "snapshots" / commit
+    assert (hub_cache / CACHE_FOLDER / "refs" / BRANCH).read_text() == commit
+    versions = _get_available_versions_from_cache(REPO_ID)
+    assert list(versions) == [VERSION] and versions[VERSION].target_commit == commit
+    assert snapshot_download(REPO_ID, repo_type="kernel", revision=BRANCH, local_files_only=True) == str(snapshot)
+    listed = get_cached_repo_tree(REPO_ID, repo_type="kernel", revision=BRANCH)
+    assert sorted(f.path for f in listed) == sorted(files)
+    for path, data in files.items():
+        assert (snapshot / path).is_symlink() and (snapshot / path).read_bytes() == data
+
+
+@pytest.mark.kernels_ci
+def test_get_kernel_version_from_hub_cache_offline(hub_cache):
+    commit, snapshot = build_hub_cache(hub_cache, REPO_ID, branch_files(), ref=BRANCH)
+    if not TORCH_IS_CUDA_BUILD:
+        expected = variant_refusal(commit) if TORCH_IS_CPU_BUILD else "Cannot find a build variant"
+        with pytest.raises(FileNotFoundError, match=re.escape(expected)):
+            get_kernel(REPO_ID, version=VERSION)
+        return
+    kernel = get_kernel(REPO_ID, version=VERSION)
+    assert Path(kernel.__file__).parent == snapshot / "build" / "torch-cuda"
+    assert kernel.__name__ == Metadata.read_from_file(snapshot / "build" / "torch-cuda" / "metadata.json").id
+    if HAS_GPU:
+        gen = torch.Generator().manual_seed(0)
+        hidden, weight = torch.randn(7, 24, generator=gen), torch.randn(37, 24, generator=gen) / 24**0.5
+        targets = torch.randint(0, 37, (7,), generator=gen)
+        loss = kernel.fused_linear_cross_entropy(hidden.cuda(), weight.cuda(), targets.cuda())
+        expected = F.cross_entropy(hidden.double() @ weight.double().T, targets)
+        assert abs(loss.item() - expected.item()) <= 1e-5
+
+
+@pytest.mark.kernels_ci
+def test_has_kernel_from_hub_cache_offline(hub_cache):
+    """has_kernel resolves (cache, version, variant) without importing the module."""
+    build_hub_cache(hub_cache, REPO_ID, branch_files(), ref=BRANCH)
+    assert has_kernel(REPO_ID, version=VERSION) is TORCH_IS_CUDA_BUILD
+    with pytest.raises(ValueError, match=f"Version {VERSION + 1} not found, available versions: {VERSION}"):
+        has_kernel(REPO_ID, version=VERSION + 1)  # only FileNotFoundError becomes False
+
+
+def test_kernels_info_cli_offline(tmp_path):
+    hf_home = tmp_path / "hf_home"
+    files = branch_files()
+    commit, snapshot = build_hub_cache(hf_home / "hub", REPO_ID, files, ref=BRANCH)
+    env = guarded_env(tmp_path, hf_home)
+
+    def kernels_cli(*args):
+        return subprocess.run([*KERNELS_CLI, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+
+    # The cached snapshot, given as a path: answered from disk.
+    local = kernels_cli("info", str(snapshot), "--json")
+    assert local.returncode == 0, local.stderr
+    meta = json.loads(files["build/torch-cuda/metadata.json"])
+    assert json.loads(local.stdout) == {
+        "path": str(snapshot),
+        "name": meta["name"],
+        "version": meta["version"],
+        "kernels_minver": None,
+        "license": meta["license"],
+        "upstream": None,
+        "source": None,
+        "python_depends": [],
+        "backends": ["cuda"],
+    }
+    # The repo id: the version resolves from refs/v1, but listing the variants is a Hub call
+    # (`HfApi.list_repo_tree`), which offline mode refuses before any socket is opened.
+    remote = kernels_cli("info", REPO_ID, "--version", str(VERSION))
+    assert remote.returncode != 0
+    assert "offline mode is enabled" in remote.stderr, remote.stderr[-2000:]
+    assert "network access refused" not in remote.stderr
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["branch-is-build-only", "branch-has-gitattributes"])
+def test_cache_left_by_an_online_get_kernel(hub_cache, extra):
+    """An online get_kernel(version=1) downloads by commit hash (no refs/v1) and only build/<variant>/*,
+    while huggingface_hub records the whole branch listing. Offline, version=1 then cannot resolve, and
+    revision=<commit> works only if the branch holds nothing but what was downloaded."""
+    files = {p: d for p, d in branch_files().items() if extra or p.startswith("build/")}
+    downloaded = sorted(p for p in files if p.startswith("build/torch-cuda/"))
+    commit, _ = build_hub_cache(hub_cache, REPO_ID, files, ref=None, downloaded=downloaded)
+    with pytest.raises(ValueError, match=f"Version {VERSION} of '{REPO_ID}' is not available in the local cache"):
+        get_kernel(REPO_ID, version=VERSION)
+    if extra:
+        with pytest.raises(FileNotFoundError, match=re.escape(f"Cannot find a local snapshot for {REPO_ID}")):
+            get_kernel(REPO_ID, revision=commit)
+        assert has_kernel(REPO_ID, revision=commit) is False
+    elif TORCH_IS_CPU_BUILD:
+        with pytest.raises(FileNotFoundError, match=re.escape(variant_refusal(commit))):
+            get_kernel(REPO_ID, revision=commit)
+    elif TORCH_IS_CUDA_BUILD:
+        assert callable(get_kernel(REPO_ID, revision=commit).fused_linear_cross_entropy)
