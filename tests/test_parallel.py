@@ -11,8 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cases import Case, class_weights, make_inputs
-from conftest import rel_err
+from conftest import ON_GPU, rel_err
 from fused_linear_ce import fused_linear_cross_entropy
+
+# The workers run the Triton interpreter on CPU tensors with gloo; on a CUDA machine the kernels are
+# compiled for the GPU at import, so these CPU tests do not apply there. The NCCL version (2 GPUs) is
+# not written yet.
+pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU/gloo tests (Triton interpreter in the workers)")
 
 SHARDED_CASES = [
     dict(reduction="mean", return_metrics=True),
