@@ -1,0 +1,164 @@
+"""Gradient semantics (issue 3): accumulation into existing ``.grad``, gradients (and their products)
+only for inputs that require them, forward-only under ``no_grad`` / ``inference_mode``, and a clear
+error on double backward. Spies on ``launch`` record which kernels and products actually run."""
+
+import pytest
+import torch
+
+from cases import Case, make_inputs
+from conftest import DEVICE
+from fused_linear_ce import fused_linear_cross_entropy, launch
+
+LEAVES = ("hidden", "weight", "bias")
+
+
+def _leaves(case, requires=LEAVES):
+    hidden, weight, bias, targets = make_inputs(case)
+    leaves = {k: t.clone().requires_grad_(k in requires) for k, t in zip(LEAVES, (hidden, weight, bias))}
+    return leaves, targets
+
+
+def _loss(leaves, targets, case, **kw):
+    return fused_linear_cross_entropy(leaves["hidden"], leaves["weight"], targets, leaves["bias"],
+                                      reduction=case.reduction, chunk_bytes=case.chunk_bytes, **kw)
+
+
+@pytest.mark.parametrize("case", [
+    Case(33, 40, 300, torch.float32, "mean", bias=True, ignored=0.2),
+    Case(33, 40, 300, torch.bfloat16, "sum", bias=True, ignored=0.2, chunk_bytes=16 * 300 * 2),  # token blocks
+    Case(33, 40, 300, torch.float16, "none", bias=True, chunk_bytes=33 * 256 * 2),  # vocabulary blocks
+], ids=lambda c: c.id)
+def test_second_backward_accumulates_into_existing_grad(case):
+    """Two backward passes into .grad that already holds values: each adds its gradient, in the
+    leaf's dtype, exactly as autograd's own accumulation does (bit for bit)."""
+    leaves, targets = _leaves(case)
+    g = torch.Generator().manual_seed(7)
+    fresh = {k: torch.autograd.grad(_loss(leaves, targets, case).sum(), t)[0] for k, t in leaves.items()}
+    init = {k: torch.randn(t.shape, generator=g).to(t.dtype).to(DEVICE) for k, t in leaves.items()}
+    for k, t in leaves.items():
+        t.grad = init[k].clone()
+    _loss(leaves, targets, case).sum().backward()
+    _loss(leaves, targets, case).sum().backward()
+    for k, t in leaves.items():
+        expected = init[k].clone()
+        expected += fresh[k]
+        expected += fresh[k]
+        assert t.grad.dtype == case.dtype and torch.equal(t.grad, expected), k
+
+
+class _KernelSpy:
+    """Wraps a Triton kernel (``kernel[grid](...)``) and records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        launcher = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append(kwargs)
+            return launcher(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Records which backward product runs ("dx": da @ weight, "dw": da^T @ hidden) and each
+    dlogits launch's BIAS_GRAD flag."""
+    products, dlogits = [], _KernelSpy(launch.dlogits_kernel)
+    real_matmul = launch._matmul
+
+    def matmul(a, b, c, *args, **kwargs):
+        products.append(b.untyped_storage().data_ptr())
+        return real_matmul(a, b, c, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_matmul", matmul)
+    monkeypatch.setattr(launch, "dlogits_kernel", dlogits)
+    return products, dlogits
+
+
+GRAD_SUBSETS = [("hidden",), ("weight",), ("bias",), ("hidden", "weight"), ("weight", "bias"), LEAVES]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 16 * 300 * 2], ids=["whole", "blocked"])
+@pytest.mark.parametrize("requires", GRAD_SUBSETS, ids=lambda r: "+".join(r))
+def test_only_inputs_that_require_grad_get_one_and_only_their_products_run(requires, chunk_bytes, spies):
+    products, dlogits = spies
+    case = Case(40, 40, 300, torch.bfloat16, "mean", bias=True, chunk_bytes=chunk_bytes)
+    leaves, targets = _leaves(case, requires)
+    _loss(leaves, targets, case).backward()
+    for k, t in leaves.items():
+        assert (t.grad is not None) == (k in requires), k
+        if t.grad is not None:
+            assert t.grad.shape == t.shape and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+    by = {"dx": leaves["weight"].untyped_storage().data_ptr(), "dw": leaves["hidden"].untyped_storage().data_ptr()}
+    assert set(products) <= set(by.values()), "a product ran on an unexpected operand"
+    assert (by["dx"] in products) == ("hidden" in requires)
+    assert (by["dw"] in products) == ("weight" in requires)
+    assert dlogits.launches, "the gradient of the logits should run"
+    assert {kw["BIAS_GRAD"] for kw in dlogits.launches} == {"bias" in requires}
+
+
+def test_no_input_requiring_grad_gives_a_loss_without_graph(spies):
+    products, dlogits = spies
+    case = Case(20, 40, 300, torch.float32, bias=True)
+    leaves, targets = _leaves(case, requires=())
+    loss = _loss(leaves, targets, case)
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert not products and not dlogits.launches
+
+
+@pytest.fixture
+def forward_only(monkeypatch):
+    """Counts forward sweeps; fails the test if the backward is entered."""
+    calls = []
+    real_forward = launch.forward
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        return real_forward(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the backward ran under no_grad / inference_mode")
+
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch, "backward", refuse)
+    return calls
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_no_grad_and_inference_mode_run_the_forward_sweep_only(mode, forward_only):
+    case = Case(20, 40, 300, torch.bfloat16, "mean", bias=True, ignored=0.2)
+    leaves, targets = _leaves(case)
+    with torch.enable_grad():  # the value with grad enabled, for comparison (forward only too)
+        loss_grad, metrics_grad, lse_grad = _loss(leaves, targets, case, return_metrics=True, return_lse=True)
+    assert loss_grad.grad_fn is not None and lse_grad.grad_fn is not None
+    with mode():
+        loss, metrics, lse = _loss(leaves, targets, case, return_metrics=True, return_lse=True)
+    assert len(forward_only) == 2, "one forward sweep per call"
+    for got, want in [(loss, loss_grad), (lse, lse_grad)] + [(metrics[k], metrics_grad[k]) for k in metrics]:
+        assert got.grad_fn is None and not got.requires_grad
+        assert torch.equal(got, want.detach())
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
+DOUBLE_BACKWARD = r"no autograd formula was registered|differentiate twice|double backward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_double_backward_raises_a_clear_error(dtype):
+    """create_graph=True still gives the right first-order gradient; differentiating that gradient
+    again (a gradient penalty) raises instead of silently treating it as a constant."""
+    case = Case(12, 40, 100, dtype, bias=True)
+    leaves, targets = _leaves(case)
+    expected = torch.autograd.grad(_loss(leaves, targets, case), leaves["hidden"])[0]
+    grad, = torch.autograd.grad(_loss(leaves, targets, case), leaves["hidden"], create_graph=True)
+    assert torch.equal(grad.detach(), expected)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        grad.float().square().sum().backward()
+    grad, = torch.autograd.grad(_loss(leaves, targets, case), leaves["hidden"], create_graph=True)
+    penalized = _loss(leaves, targets, case) + grad.float().square().sum()
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        penalized.backward()

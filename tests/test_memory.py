@@ -1,0 +1,100 @@
+"""No leaks, bounded memory (issue 3), on the GPU: 1000 forward+backward calls at a realistic size
+(N=4096 tokens, H=2048, V=32000, bf16) leave ``torch.cuda.memory_allocated()`` exactly where it
+started, and the peak over them stays within the documented bound for the chosen ``chunk_bytes``.
+
+The bound, from the code (``launch.py``, ``ops.py``, ``losses.py``), above the inputs themselves:
+- the gradients being returned: N x H + V x H in the input dtype;
+- ``configs.plan_backward(...).extra_bytes``: the da block (rows x cols, input dtype) plus the fp32
+  accumulator of whichever gradient is summed over blocks (N x H or V x H; none when the plane fits);
+- O(N): the forward's partial statistics (NUM_STATS x SPLIT x N fp32, SPLIT from
+  ``configs.vocab_splits``), and per-row fp32 / int64 / bool vectors (lse, target logit, loss terms,
+  target weights, the backward's (3, N) coefficients and their temporaries), fewer than 32 of them;
+- slack for the caching allocator: each live block may be up to 1 MiB larger than asked for.
+No bias here (its (N / block_n) x V fp32 partial sums would add to the O(N) part).
+
+Expected on an H200: ~5 ms a call, ~15 s in all; peak above the inputs ~410 MiB at the default
+setting (the whole 250 MiB plane in one block) and ~190 MiB at 16 MiB blocks.
+"""
+
+import pytest
+import torch
+import triton
+
+from conftest import ON_GPU
+from fused_linear_ce import configs, fused_linear_cross_entropy
+from fused_linear_ce.forward_kernels import NUM_STATS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (memory statistics)")]
+
+N, H, V = 4096, 2048, 32000
+DTYPE = torch.bfloat16
+CALLS = 1000
+MiB = 1 << 20
+ALLOCATOR_SLACK = 16 * MiB
+
+
+def _inputs():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(N, H, device="cuda", generator=g).to(DTYPE).requires_grad_(True)
+    weight = (torch.randn(V, H, device="cuda", generator=g) * (4.0 / H) ** 0.5).to(DTYPE).requires_grad_(True)
+    targets = torch.randint(0, V, (N,), device="cuda", generator=g)
+    targets[::7] = -100
+    return hidden, weight, targets
+
+
+def _bound(chunk_bytes) -> int:
+    """The documented peak above the inputs (module docstring), in bytes."""
+    itemsize = DTYPE.itemsize
+    cfg = configs.sweep_config(DTYPE)
+    plan = configs.plan_backward(N, V, H, DTYPE, chunk_bytes, cfg.block_n, cfg.block_v)
+    splits = configs.vocab_splits(triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v), torch.device("cuda"))
+    gradients = (N * H + V * H) * itemsize
+    per_row = 4 * N * NUM_STATS * splits + 32 * 8 * N
+    return gradients + plan.extra_bytes(N, V, H, itemsize) + per_row + ALLOCATOR_SLACK
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 16 * MiB], ids=["default", "16MiB"])
+def test_thousand_calls_do_not_leak_and_peak_within_the_documented_bound(chunk_bytes):
+    torch.cuda.empty_cache()
+    hidden, weight, targets = _inputs()
+
+    def step():
+        loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_bytes=chunk_bytes)
+        return torch.autograd.grad(loss, (hidden, weight))  # the gradients, without .grad's bookkeeping
+
+    for _ in range(3):  # compile, and let any lazily created state appear before the baseline
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(CALLS):
+        grads = step()
+        assert grads[0].shape == (N, H) and grads[1].shape == (V, H)
+        del grads
+    torch.cuda.synchronize()
+    leaked = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = _bound(chunk_bytes)
+    assert leaked == 0, f"{leaked} bytes still allocated after {CALLS} calls"
+    assert peak <= bound, f"peak {peak / MiB:.1f} MiB above the inputs > bound {bound / MiB:.1f} MiB"
+    # The bound is not vacuous: the gradients and the da block alone are most of it.
+    assert peak >= (N * H + V * H) * DTYPE.itemsize
+
+
+def test_backward_into_grad_leaves_nothing_behind():
+    """The training-loop form: loss.backward() into .grad, then the gradients dropped."""
+    torch.cuda.empty_cache()
+    hidden, weight, targets = _inputs()
+
+    def step():
+        fused_linear_cross_entropy(hidden, weight, targets, chunk_bytes=16 * MiB).backward()
+        hidden.grad = weight.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for _ in range(100):
+        step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
