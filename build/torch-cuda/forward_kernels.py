@@ -126,7 +126,8 @@ def combine_kernel(
     stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 in
     argmax_ptr,  # (SPLIT, N) int32 in
     targets_ptr,  # (N,) int32/int64
-    lse_ptr,  # (N,) fp32 out
+    lse_ptr,  # (2, N) fp32 out: the row max m and log(sum exp(z - m)); lse = m + log-sum, kept apart
+    #           so that z - m stays exact for large logits (p = exp((z - m) - log-sum))
     z_target_ptr,  # (N,) fp32 out: the target's logit (0 when another shard holds it); NaN for a
     #                target outside [0, V_total)
     wz_ptr,  # (N,) fp32 out when SMOOTHING: sum_v w[v] z[v]
@@ -168,10 +169,12 @@ def combine_kernel(
             best_idx = tl.where(better, tl.load(argmax_ptr + i * N + offs, mask=mask, other=0), best_idx)
         if SMOOTHING:
             wz_all += tl.load(p + 5 * plane, mask=mask, other=0.0)
-    lse = m_all + tl.log(s_all)
+    log_sum = tl.log(s_all)
+    lse = m_all + log_sum
     target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)
     in_range = (target >= 0) & (target < V_total)
-    tl.store(lse_ptr + offs, lse, mask=mask)
+    tl.store(lse_ptr + offs, m_all, mask=mask)
+    tl.store(lse_ptr + N + offs, log_sum, mask=mask)
     tl.store(z_target_ptr + offs, tl.where(in_range, z_target, float("nan")), mask=mask)
     if SMOOTHING:
         tl.store(wz_ptr + offs, wz_all, mask=mask)

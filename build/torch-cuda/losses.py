@@ -67,13 +67,16 @@ def row_terms(stats, targets, weights: TargetWeights, opts: Options) -> RowTerms
     counted = targets != opts.ignore_index
     w_t = weights.per_row
     v = weights.v_total
-    zero = torch.zeros((), device=stats.lse.device)
-    ce = (stats.lse - stats.z_target) * w_t if weights.weighted else stats.lse - stats.z_target
+    zero = torch.zeros((), device=stats.z_target.device)
+    nll = stats.loss_terms()
+    ce = nll * w_t if weights.weighted else nll
     eps = opts.label_smoothing
+    if eps or opts.z_loss:
+        lse = stats.lse
     if eps:
-        ce = (1.0 - eps) * ce + (eps / v) * (weights.total * stats.lse - stats.wz)
+        ce = (1.0 - eps) * ce + (eps / v) * (weights.total * lse - stats.wz)
     ce = torch.where(counted, ce, zero)
-    z = torch.where(counted, opts.z_loss * stats.lse.square(), zero) if opts.z_loss else None
+    z = torch.where(counted, opts.z_loss * lse.square(), zero) if opts.z_loss else None
     return RowTerms(ce, z, w_t, counted)
 
 
@@ -98,7 +101,7 @@ def row_terms_for_backward(targets, weights: TargetWeights, opts: Options) -> Ro
 def metric_sums(stats, targets, terms: RowTerms) -> torch.Tensor:
     """[correct tokens, sum of entropies, counted tokens] over counted rows, a (3,) fp32 tensor:
     sums, so that a trainer can add them across ranks before dividing."""
-    zero = torch.zeros((), device=stats.lse.device)
+    zero = torch.zeros((), device=stats.z_target.device)
     correct = (stats.argmax == targets).to(torch.float32)
     return torch.stack([
         torch.where(terms.counted, correct, zero).sum(),
@@ -108,17 +111,32 @@ def metric_sums(stats, targets, terms: RowTerms) -> torch.Tensor:
 
 
 def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, terms: RowTerms, opts: Options):
-    """The (3, N) fp32 per-row coefficients A, B, C of ``da`` (module docstring). A counted row whose
-    target is outside [0, V) gets B = NaN, which the kernel turns into a NaN row."""
+    """The (3, N) fp32 per-row coefficients A, B, C of ``da`` (module docstring), and a factor common
+    to every row (or None): for "mean" and "sum" the upstream scalar (over sum w[t] for the mean),
+    left out of the coefficients and applied to the products in fp32, since rounding it into bf16
+    da would be the same error on every row, which does not average out. A counted row whose target
+    is outside [0, V) gets B = NaN, which the kernel turns into a NaN row."""
     n = targets.shape[0]
     zero = torch.zeros((), device=lse.device)
     eps = opts.label_smoothing
+    common = None
     if grad_loss is None:
         g_ce = g_z = zero
+    elif grad_loss.ndim == 0 and grad_lse is None:
+        # "mean" / "sum": one upstream scalar for every row. Leave it (and the mean's denominator)
+        # out of da and apply it to the products in fp32: then the target entries of da are exactly
+        # (1 - eps) w[t] (p - 1), with no common rounding error repeated on every row.
+        g = grad_loss.to(torch.float32)
+        g_ce = g_z = torch.ones((), device=lse.device)
+        common = g
+        if opts.reduction == "mean":
+            denominator = terms.target_weight.sum()
+            common = torch.where(denominator > 0, g / denominator, zero)  # no counted row: zero gradients
+            g_z = denominator / terms.counted.sum()  # z-loss's mean is over rows, not weights
     else:
         g = grad_loss.to(torch.float32)
         g_ce = g_z = g
-        if opts.reduction == "mean":
+        if opts.reduction == "mean":  # a returned lse's gradient is per row: no common factor
             g_ce = g / terms.target_weight.sum()
             g_z = g / terms.counted.sum()
     v = weights.v_total
@@ -133,4 +151,4 @@ def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, term
         coef_a = coef_a + grad_lse.to(torch.float32)
     out_of_range = terms.counted & ((targets < 0) | (targets >= v))
     coef_b = torch.where(out_of_range, torch.full((), float("nan"), device=lse.device), coef_b)
-    return torch.stack([coef_a, coef_b, coef_c])
+    return torch.stack([coef_a, coef_b, coef_c]), common

@@ -30,8 +30,9 @@ def forward(
     class_weight: Optional[torch.Tensor], ignore_index: int, logit_scale: float, softcap: Optional[float],
     reduction: str, return_metrics: bool, label_smoothing: float, z_loss: float, return_lse: bool,
     chunk_bytes: Optional[int], group_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, metric sums, lse): metric sums is (3,) [correct, entropy, counted rows] or (0,).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, metric sums, lse, lse2): metric sums is (3,) [correct, entropy, counted rows] or (0,);
+    lse2 (2, N) is the lse as row max and log-sum, which the backward uses.
     ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none."""
     opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
                     return_lse, chunk_bytes)
@@ -42,7 +43,7 @@ def forward(
     terms = losses.row_terms(stats, targets, weights, opts)
     loss = losses.reduce(terms, opts)
     sums = losses.metric_sums(stats, targets, terms) if return_metrics else loss.new_empty((0,))
-    return loss, sums, stats.lse
+    return loss, sums, stats.lse, stats.lse2
 
 
 @forward.register_fake
@@ -51,14 +52,14 @@ def _(hidden, weight, bias, targets, class_weight, ignore_index, logit_scale, so
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     sums = hidden.new_empty((3,) if return_metrics else (0,), dtype=torch.float32)
-    return loss, sums, hidden.new_empty((n,), dtype=torch.float32)
+    return loss, sums, hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((2, n), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=())
 def backward(
     grad_loss: torch.Tensor, grad_lse: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, class_weight: Optional[torch.Tensor],
-    lse: torch.Tensor, ignore_index: int, logit_scale: float, softcap: Optional[float], reduction: str,
+    lse2: torch.Tensor, ignore_index: int, logit_scale: float, softcap: Optional[float], reduction: str,
     label_smoothing: float, z_loss: float, chunk_bytes: Optional[int], group_id: int, need_dx: bool,
     need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,14 +69,14 @@ def backward(
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, targets != ignore_index, weight.shape[0], shard)
     terms = losses.row_terms_for_backward(targets, weights, opts)
-    coef = losses.coefficients(grad_loss, grad_lse, lse, targets, weights, terms, opts)
-    grads = launch.backward(hidden, weight, targets, bias, class_weight, lse, coef, opts, need_dx, need_dw, need_db,
-                            shard)
+    coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, terms, opts)
+    grads = launch.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
+                            shard, common)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
 
 @backward.register_fake
-def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse, ignore_index, logit_scale,
+def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, ignore_index, logit_scale,
       softcap, reduction, label_smoothing, z_loss, chunk_bytes, group_id, need_dx, need_dw, need_db):
     empty = hidden.new_empty((0,))
     return (
@@ -93,14 +94,14 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, class_weight, *options = inputs
     ctx.options = dict(zip(_OPTION_NAMES, options))
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[2])
+    ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3])
 
 
-def _backward(ctx, grad_loss, _grad_sums, grad_lse):
-    hidden, weight, bias, targets, class_weight, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2):
+    hidden, weight, bias, targets, class_weight, lse2 = ctx.saved_tensors
     o = ctx.options
     dx, dw, db = backward(
-        grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse,
+        grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse2,
         o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["label_smoothing"], o["z_loss"],
         o["chunk_bytes"], o["group_id"], *ctx.needs,
     )

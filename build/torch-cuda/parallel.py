@@ -70,24 +70,24 @@ def all_reduce(t: torch.Tensor, shard: Shard, op=dist.ReduceOp.SUM) -> torch.Ten
 
 def merge_stats(stats, shard: Shard, metrics: bool):
     """The per-row statistics of the whole vocabulary from each rank's shard (module docstring)."""
-    lse_r = stats.lse
-    top = torch.stack([lse_r, stats.best]) if metrics else lse_r[None].clone()
+    row_max, log_sum = stats.lse2[0], stats.lse2[1]
+    top = torch.stack([row_max, stats.best]) if metrics else row_max[None].clone()
     all_reduce(top, shard, dist.ReduceOp.MAX)
-    lse_max = top[0]
-    scale = torch.exp(lse_r - lse_max)
+    new_max = top[0]
+    scale = torch.exp((row_max - new_max) + log_sum)  # this shard's share of sum exp(z - new_max)
     parts = [scale, stats.z_target]
     if metrics:
-        parts.append(scale * (lse_r - stats.entropy))
+        parts.append(scale * (row_max + log_sum - stats.entropy))  # share of sum exp(z - max) z
     if stats.wz is not None:
         parts.append(stats.wz)
     sums = all_reduce(torch.stack(parts), shard)
-    lse = lse_max + torch.log(sums[0])
-    stats.lse.copy_(lse)
+    stats.lse2[0].copy_(new_max)
+    stats.lse2[1].copy_(torch.log(sums[0]))
     stats.z_target.copy_(sums[1])
     if stats.wz is not None:
         stats.wz.copy_(sums[-1])
     if metrics:
-        stats.entropy.copy_(lse - sums[2] / sums[0])
+        stats.entropy.copy_(stats.lse - sums[2] / sums[0])
         holds_best = stats.best == top[1]
         idx = torch.where(holds_best, stats.argmax, torch.full_like(stats.argmax, torch.iinfo(torch.int64).max))
         stats.argmax.copy_(all_reduce(idx, shard, dist.ReduceOp.MIN))

@@ -129,7 +129,7 @@ def fused_linear_cross_entropy(
         class_weight = class_weight.to(torch.float32).contiguous()
     if num_items_in_batch is not None:
         opts = replace(opts, reduction="sum")
-    loss, sums, lse = ops.apply(
+    loss, sums, lse, _ = ops.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts, process_group
     )
     if num_items_in_batch is not None:

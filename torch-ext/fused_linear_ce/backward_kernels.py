@@ -30,7 +30,7 @@ def dlogits_kernel(
     weight_ptr,  # (V, H) same dtype
     bias_ptr,  # (V,) same dtype, or dummy
     targets_ptr,  # (N,) int32/int64
-    lse_ptr,  # (N,) fp32, from the forward
+    lse_ptr,  # (2, N) fp32, from the forward: row max m and log-sum (lse = m + log-sum)
     coef_ptr,  # (3, N) fp32: per-row A, B, C of da = A * p - B * onehot - C * w (see losses.py)
     class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     dlogits_ptr,  # (R, C) out, input dtype: da for rows [row0, row0 + R), classes [col0, col0 + C)
@@ -87,12 +87,13 @@ def dlogits_kernel(
         stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
         HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
     )
-    lse = tl.load(lse_ptr + rows)
+    row_max = tl.load(lse_ptr + rows)
+    log_sum = tl.load(lse_ptr + N + rows)
     coef_a = tl.load(coef_ptr + rows)
     coef_b = tl.load(coef_ptr + N + rows)
     target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
 
-    p = tl.exp(z - lse[:, None])
+    p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
     d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
     d -= tl.where(offs_v[None, :] + vocab_offset == target[:, None], coef_b[:, None], 0.0)
     d += tl.where(coef_b[:, None] != coef_b[:, None], float("nan"), 0.0)  # out-of-range target

@@ -38,14 +38,22 @@ def _bias_args(bias, like):
 
 @dataclass
 class RowStats:
-    """Per-row results of the forward sweep, all fp32 of shape (N,), for every row (ignored too)."""
+    """Per-row results of the forward sweep, fp32 of shape (N,), for every row (ignored too)."""
 
-    lse: torch.Tensor
+    lse2: torch.Tensor  # (2, N): row max m and log sum exp(z - m); see ``lse``
     z_target: torch.Tensor  # the target's logit; NaN when the target is outside [0, V)
     wz: torch.Tensor | None  # sum_v w[v] z[v], with label smoothing only
     entropy: torch.Tensor | None  # with metrics only
     best: torch.Tensor | None  # with metrics only: the largest logit
     argmax: torch.Tensor | None  # with metrics only: its global class id (int64)
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.lse2[0] + self.lse2[1]
+
+    def loss_terms(self) -> torch.Tensor:
+        """lse - z_target computed as (m - z_target) + log-sum: exact near the max for large logits."""
+        return (self.lse2[0] - self.z_target) + self.lse2[1]
 
 
 def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=None) -> RowStats:
@@ -57,13 +65,13 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
     metrics = opts.return_metrics
     smoothing = opts.label_smoothing > 0
     offset, v_total = (shard.offset, shard.v_total) if shard is not None else (0, v)
-    lse = _new((n,), torch.float32, device)
+    lse2 = _new((2, n), torch.float32, device)
     z_target = _new((n,), torch.float32, device)
     wz = _new((n,), torch.float32, device) if smoothing else None
     entropy = _new((n,), torch.float32, device) if metrics else None
     best = _new((n,), torch.float32, device) if metrics else None
     argmax_out = _new((n,), torch.int64, device) if metrics else None
-    stats_out = RowStats(lse, z_target, wz, entropy, best, argmax_out)
+    stats_out = RowStats(lse2, z_target, wz, entropy, best, argmax_out)
     if n == 0:
         return stats_out
 
@@ -89,8 +97,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
-        stats, argmax, targets, lse, z_target,
-        wz if smoothing else lse, entropy if metrics else lse, best if metrics else lse,
+        stats, argmax, targets, lse2, z_target,
+        wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
         argmax_out if metrics else argmax, n, v_total, offset, splits, splits * n, targets.stride(0),
         METRICS=metrics, SMOOTHING=smoothing, BLOCK=_COMBINE_BLOCK,
     )
@@ -134,13 +142,15 @@ def _fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     return scale, (1.0 / scale).reshape(1)
 
 
-def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Options, need_dx, need_dw, need_db,
-             shard=None):
+def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, need_dx, need_dw, need_db,
+             shard=None, common=None):
     """Recompute backward over blocks of the (N, V) plane (``configs.plan_backward``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself.
-    With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32 (every rank
+    ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
+    shared by every row (the mean's 1 / denominator), applied to the products in fp32 rather than
+    rounded into da. With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32 (every rank
     gets the full grad_hidden); grad_weight and grad_bias are the shard's own.
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
@@ -167,14 +177,15 @@ def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Optio
             dw_acc.zero_()
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
 
-    unscale = None
+    unscale = common.reshape(1).to(torch.float32) if common is not None else None
     if dtype == torch.float16 and n > 0:
-        scale, unscale = _fp16_gradient_scale(coef, class_weight, opts.logit_scale)
+        scale, inverse = _fp16_gradient_scale(coef, class_weight, opts.logit_scale)
         coef = coef * scale
+        unscale = inverse if unscale is None else unscale * inverse
 
     if n > 0:
         dlogits = _new((plan.rows, plan.cols), dtype, device)
-        dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if need_db else lse
+        dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if need_db else coef
         bias_arg, stride_b = _bias_args(bias, hidden)
         softcap = float(opts.softcap) if opts.softcap is not None else 1.0
         for row0 in range(0, n, plan.rows):
@@ -183,8 +194,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse, coef, opts: Optio
                 c = min(plan.cols, v - col0)
                 grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
                 dlogits_kernel[grid](
-                    hidden, weight, bias_arg, targets, lse, coef,
-                    class_weight if class_weight is not None else lse, dlogits, dbias,
+                    hidden, weight, bias_arg, targets, lse2, coef,
+                    class_weight if class_weight is not None else coef, dlogits, dbias,
                     row0, r, col0, c, v, h,
                     hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
                     targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap, n,
