@@ -119,8 +119,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool,
     matmul_kernel[grid](
         a, b, c, unscale if unscale is not None else c, m, p, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        ACCUMULATE=accumulate, HAS_SCALE=unscale is not None, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0,
+        ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
+        BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0,
         EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(a.dtype),
     )
@@ -149,9 +149,9 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself.
     ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
-    shared by every row (the mean's 1 / denominator), applied to the products in fp32 rather than
-    rounded into da. With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32 (every rank
-    gets the full grad_hidden); grad_weight and grad_bias are the shard's own.
+    shared by every row (losses.coefficients), applied to the products in fp32 rather than rounded
+    into da. With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32
+    (every rank gets the full grad_hidden); grad_weight and grad_bias are the shard's own.
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
     v = weight.shape[0]

@@ -27,31 +27,33 @@ from .validate import Options
 
 
 @dataclass
-class RowTerms:
-    """Per-row pieces of the loss, fp32 (N,), zero on ignored rows."""
-
-    ce: torch.Tensor  # the (weighted, smoothed) cross-entropy term
-    z: torch.Tensor | None  # c * lse^2, when z_loss > 0
-    target_weight: torch.Tensor  # w[t]; 0 on ignored rows
-    counted: torch.Tensor  # bool: target != ignore_index
-
-
-@dataclass
 class TargetWeights:
-    """w[t] per row (0 on ignored rows) and W = sum_v w[v], over the whole vocabulary."""
+    """Which rows count, w[t] per row (0 on ignored rows) and W = sum_v w[v], over the whole
+    vocabulary."""
 
+    counted: torch.Tensor  # bool (N,): target != ignore_index
     per_row: torch.Tensor
     total: torch.Tensor | float
     weighted: bool
     v_total: int
 
 
-def target_weights(targets, class_weight, counted, v_local, shard=None) -> TargetWeights:
+@dataclass
+class RowTerms:
+    """Per-row pieces of the loss, fp32 (N,), zero on ignored rows."""
+
+    ce: torch.Tensor  # the (weighted, smoothed) cross-entropy term
+    z: torch.Tensor | None  # c * lse^2, when z_loss > 0
+    weights: TargetWeights
+
+
+def target_weights(targets, class_weight, ignore_index, v_local, shard=None) -> TargetWeights:
     """With a vocabulary shard, class_weight is the shard's slice: each rank looks up the targets it
     holds and the rows are summed over the group."""
+    counted = targets != ignore_index
     v_total = shard.v_total if shard is not None else v_local
     if class_weight is None:
-        return TargetWeights(counted.to(torch.float32), float(v_total), False, v_total)
+        return TargetWeights(counted, counted.to(torch.float32), float(v_total), False, v_total)
     offset = shard.offset if shard is not None else 0
     local = targets - offset
     w = class_weight[local.clamp(0, v_local - 1)]
@@ -60,11 +62,12 @@ def target_weights(targets, class_weight, counted, v_local, shard=None) -> Targe
         w = torch.where((local >= 0) & (local < v_local), w, torch.zeros((), device=w.device))
         both = parallel.all_reduce(torch.cat([w, total[None]]), shard)
         w, total = both[:-1], both[-1]
-    return TargetWeights(torch.where(counted, w, torch.zeros((), device=w.device)), total, True, v_total)
+    per_row = torch.where(counted, w, torch.zeros((), device=w.device))
+    return TargetWeights(counted, per_row, total, True, v_total)
 
 
-def row_terms(stats, targets, weights: TargetWeights, opts: Options) -> RowTerms:
-    counted = targets != opts.ignore_index
+def row_terms(stats, weights: TargetWeights, opts: Options) -> RowTerms:
+    counted = weights.counted
     w_t = weights.per_row
     v = weights.v_total
     zero = torch.zeros((), device=stats.z_target.device)
@@ -77,7 +80,7 @@ def row_terms(stats, targets, weights: TargetWeights, opts: Options) -> RowTerms
         ce = (1.0 - eps) * ce + (eps / v) * (weights.total * lse - stats.wz)
     ce = torch.where(counted, ce, zero)
     z = torch.where(counted, opts.z_loss * lse.square(), zero) if opts.z_loss else None
-    return RowTerms(ce, z, w_t, counted)
+    return RowTerms(ce, z, weights)
 
 
 def reduce(terms: RowTerms, opts: Options) -> torch.Tensor:
@@ -86,31 +89,26 @@ def reduce(terms: RowTerms, opts: Options) -> torch.Tensor:
         return terms.ce if terms.z is None else terms.ce + terms.z
     loss = terms.ce.sum()
     if opts.reduction == "mean":
-        loss = loss / terms.target_weight.sum()
+        loss = loss / terms.weights.per_row.sum()
     if terms.z is not None:
         z = terms.z.sum()
-        loss = loss + (z / terms.counted.sum() if opts.reduction == "mean" else z)
+        loss = loss + (z / terms.weights.counted.sum() if opts.reduction == "mean" else z)
     return loss
 
 
-def row_terms_for_backward(targets, weights: TargetWeights, opts: Options) -> RowTerms:
-    """The parts of RowTerms the backward needs (target weights, counted rows), from the targets."""
-    return RowTerms(None, None, weights.per_row, targets != opts.ignore_index)
-
-
-def metric_sums(stats, targets, terms: RowTerms) -> torch.Tensor:
+def metric_sums(stats, targets, weights: TargetWeights) -> torch.Tensor:
     """[correct tokens, sum of entropies, counted tokens] over counted rows, a (3,) fp32 tensor:
     sums, so that a trainer can add them across ranks before dividing."""
     zero = torch.zeros((), device=stats.z_target.device)
     correct = (stats.argmax == targets).to(torch.float32)
     return torch.stack([
-        torch.where(terms.counted, correct, zero).sum(),
-        torch.where(terms.counted, stats.entropy, zero).sum(),
-        terms.counted.sum().to(torch.float32),
+        torch.where(weights.counted, correct, zero).sum(),
+        torch.where(weights.counted, stats.entropy, zero).sum(),
+        weights.counted.sum().to(torch.float32),
     ])
 
 
-def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, terms: RowTerms, opts: Options):
+def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
     """The (3, N) fp32 per-row coefficients A, B, C of ``da`` (module docstring), and a factor common
     to every row (or None): for "mean" and "sum" the upstream scalar (over sum w[t] for the mean),
     left out of the coefficients and applied to the products in fp32, since rounding it into bf16
@@ -119,6 +117,7 @@ def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, term
     n = targets.shape[0]
     zero = torch.zeros((), device=lse.device)
     eps = opts.label_smoothing
+    counted, w_t = weights.counted, weights.per_row
     common = None
     if grad_loss is None:
         g_ce = g_z = zero
@@ -130,25 +129,25 @@ def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, term
         g_ce = g_z = torch.ones((), device=lse.device)
         common = g
         if opts.reduction == "mean":
-            denominator = terms.target_weight.sum()
+            denominator = w_t.sum()
             common = torch.where(denominator > 0, g / denominator, zero)  # no counted row: zero gradients
-            g_z = denominator / terms.counted.sum()  # z-loss's mean is over rows, not weights
+            g_z = denominator / counted.sum()  # z-loss's mean is over rows, not weights
     else:
         g = grad_loss.to(torch.float32)
         g_ce = g_z = g
         if opts.reduction == "mean":  # a returned lse's gradient is per row: no common factor
-            g_ce = g / terms.target_weight.sum()
-            g_z = g / terms.counted.sum()
+            g_ce = g / w_t.sum()
+            g_z = g / counted.sum()
     v = weights.v_total
     w_sum = weights.total if eps else 0.0
-    coef_b = g_ce * (1.0 - eps) * terms.target_weight
-    coef_a = g_ce * ((1.0 - eps) * terms.target_weight + (eps / v) * w_sum)
+    coef_b = g_ce * (1.0 - eps) * w_t
+    coef_a = g_ce * ((1.0 - eps) * w_t + (eps / v) * w_sum)
     if opts.z_loss:
         coef_a = coef_a + g_z * (2.0 * opts.z_loss) * lse
     coef_c = (g_ce * (eps / v)).expand(n) if eps else zero.expand(n)
-    coef_a, coef_b, coef_c = (torch.where(terms.counted, c.expand(n), zero) for c in (coef_a, coef_b, coef_c))
+    coef_a, coef_b, coef_c = (torch.where(counted, c.expand(n), zero) for c in (coef_a, coef_b, coef_c))
     if grad_lse is not None:
         coef_a = coef_a + grad_lse.to(torch.float32)
-    out_of_range = terms.counted & ((targets < 0) | (targets >= v))
+    out_of_range = counted & ((targets < 0) | (targets >= v))
     coef_b = torch.where(out_of_range, torch.full((), float("nan"), device=lse.device), coef_b)
     return torch.stack([coef_a, coef_b, coef_c]), common

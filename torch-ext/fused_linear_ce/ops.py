@@ -38,11 +38,9 @@ def forward(
                     return_lse, chunk_bytes)
     shard = parallel.shard_for(group_id, weight.shape[0])
     stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
-    counted = targets != ignore_index
-    weights = losses.target_weights(targets, class_weight, counted, weight.shape[0], shard)
-    terms = losses.row_terms(stats, targets, weights, opts)
-    loss = losses.reduce(terms, opts)
-    sums = losses.metric_sums(stats, targets, terms) if return_metrics else loss.new_empty((0,))
+    weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
+    loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)
+    sums = losses.metric_sums(stats, targets, weights) if return_metrics else loss.new_empty((0,))
     return loss, sums, stats.lse, stats.lse2
 
 
@@ -67,9 +65,8 @@ def backward(
     opts = _options(ignore_index, logit_scale, softcap, reduction, False, label_smoothing, z_loss,
                     grad_lse is not None, chunk_bytes)
     shard = parallel.shard_for(group_id, weight.shape[0])
-    weights = losses.target_weights(targets, class_weight, targets != ignore_index, weight.shape[0], shard)
-    terms = losses.row_terms_for_backward(targets, weights, opts)
-    coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, terms, opts)
+    weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
+    coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
     grads = launch.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
                             shard, common)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
