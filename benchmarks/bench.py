@@ -86,11 +86,28 @@ def torch_ce(h, w, t):
     return F.cross_entropy((h @ w.T).float(), t)
 
 
+WHOLE = 1 << 50  # "chunked:whole": a chunk_bytes no plane reaches, so one chunk of all N rows
+
+
+def parse_setting(text):
+    """'64M' (the recompute path with that chunk_bytes) or 'chunked:1G' / 'chunked:whole' (the
+    chunked path) -> (name suffix, keyword arguments)."""
+    strategy, _, size = text.strip().rpartition(":")
+    if strategy not in ("", "chunked", "recompute"):
+        raise argparse.ArgumentTypeError(f"bad setting {text!r}; use e.g. 64M, chunked:1G, chunked:whole")
+    nbytes = WHOLE if size == "whole" else parse_size(size)
+    label = "whole" if nbytes == WHOLE else size_label(nbytes)
+    if strategy == "chunked":
+        return f"chunked-{label}", dict(strategy="chunked", chunk_bytes=nbytes)
+    return label, dict(strategy="recompute", chunk_bytes=nbytes)
+
+
 def build_methods(settings, notes):
-    """name -> loss(hidden, weight, targets) -> 0-d loss, in run order. Peers only if importable."""
+    """name -> loss(hidden, weight, targets) -> 0-d loss, in run order. Peers only if importable.
+    ``settings``: parse_setting results, ours besides the default (``flce``)."""
     methods = {"matmul": None, "flce": fused_linear_cross_entropy}
-    for s in settings:
-        methods[f"flce-{size_label(s)}"] = partial(fused_linear_cross_entropy, chunk_bytes=s)
+    for suffix, kwargs in settings:
+        methods[f"flce-{suffix}"] = partial(fused_linear_cross_entropy, **kwargs)
     methods["torch"] = torch_ce
     methods["torch-compile"] = torch.compile(torch_ce, dynamic=False)
     try:
@@ -318,7 +335,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="S1,S2,S3,S4", help="from " + ",".join(SHAPES) + " (default %(default)s)")
     ap.add_argument("--dists", default="random,peaked", help="random and/or peaked (default %(default)s)")
     ap.add_argument("--methods", default="*", help="comma-separated names or globs, e.g. 'flce*,torch' (default all)")
-    ap.add_argument("--settings", default=None, help="extra chunk_bytes settings of ours, e.g. 64M,1G,4G (the default)")
+    ap.add_argument("--settings", default=None, help="extra settings of ours: chunk_bytes of the recompute path "
+                    "(64M) or of the chunked path (chunked:1G, chunked:whole); default "
+                    "64M,1G,chunked:256M,chunked:1G,chunked:whole")
     ap.add_argument("--ref-precision", choices=("tf32", "ieee"), default="tf32", help="fp32 reference matmuls (default %(default)s)")
     ap.add_argument("--tiny", action="store_true", help="one tiny shape; runs on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--quick", action="store_true", help="fewer timing reps")
@@ -334,8 +353,9 @@ def main(argv=None):
     if device.type == "cpu" and shapes != ["tiny"]:
         ap.error("no CUDA GPU: only --tiny runs on the CPU")
     dists = [d.strip() for d in args.dists.split(",") if d.strip()]
-    settings_text = args.settings or ("4K" if args.tiny else "64M,1G,4G")
-    settings = [parse_size(s) for s in settings_text.split(",") if s.strip()]
+    settings_text = args.settings or ("4K,chunked:4K,chunked:whole" if args.tiny
+                                      else "64M,1G,chunked:256M,chunked:1G,chunked:whole")
+    settings = [parse_setting(s) for s in settings_text.split(",") if s.strip()]
 
     notes = []
     methods = build_methods(settings, notes)
@@ -390,7 +410,9 @@ def main(argv=None):
                 row = dict(shape=shape, dist=dist, N=n, H=h, V=v, method=method, fwd_ms=None, fwdbwd_ms=None,
                            extra_mib=None, loss_rel=None, dx_rel=None, dw_rel=None, tflops=None, error=None)
                 if method.startswith("flce"):
-                    row["chunk_bytes"] = fn.keywords["chunk_bytes"] if isinstance(fn, partial) else configs.DEFAULT_CHUNK_BYTES
+                    kw = fn.keywords if isinstance(fn, partial) else {}
+                    row["chunk_bytes"] = kw.get("chunk_bytes", configs.DEFAULT_CHUNK_BYTES)
+                    row["strategy"] = kw.get("strategy", "auto")
                 try:
                     if method == "torch" and device.type == "cuda" and 12 * n * v > torch.cuda.mem_get_info()[0]:
                         raise torch.OutOfMemoryError(f"skipped: its logits need ~{12 * n * v / 2**30:.0f} GiB")

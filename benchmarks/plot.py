@@ -79,11 +79,15 @@ def frontier(data, path, plt):
         for j, shape in enumerate(shapes):
             ax = axes[i][j]
             here = [r for r in rows if r["shape"] == shape and r["dist"] == dist]
-            ours = sorted((r for r in here if ok(r) and r["method"].startswith("flce") and r["extra_mib"] is not None),
-                          key=lambda r: r["extra_mib"])
-            if ours:
+            for kind, style, label in (("recompute", "o-", "ours, recompute (chunk_bytes)"),
+                                       ("chunked", "D-", "ours, chunked (chunk_bytes)")):
+                ours = sorted((r for r in here if ok(r) and r["method"].startswith("flce") and r["extra_mib"] is not None
+                               and ("chunked" in r["method"]) == (kind == "chunked")), key=lambda r: r["extra_mib"])
+                if not ours:
+                    continue
                 xs = [max(r["extra_mib"], MiB_FLOOR) for r in ours]
-                ax.plot(xs, [r["fwdbwd_ms"] for r in ours], "o-", color="C0", label="ours (chunk_bytes)")
+                ax.plot(xs, [r["fwdbwd_ms"] for r in ours], style, color="C0", label=label,
+                        alpha=1.0 if kind == "recompute" else 0.7)
                 for x, r in zip(xs, ours):
                     ax.annotate(r["method"], (x, r["fwdbwd_ms"]), fontsize=7, color="C0",
                                 xytext=(3, 3), textcoords="offset points")

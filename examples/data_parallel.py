@@ -71,12 +71,12 @@ def grads_of(model):
     return out
 
 
-def train_step(mode, seed=0):
-    """One step on this rank's slice; returns (global loss, full gradients)."""
+def train_step(mode, seed=0, device="cpu"):
+    """One step on this rank's slice (on ``device``); returns (global loss, full gradients)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    model = wrap(TinyLM(), mode)
-    ids, labels = batch(seed)
+    model = wrap(TinyLM().to(device), mode)
+    ids, labels = (t.to(device) for t in batch(seed))
     n_items = global_count(labels)
     rows = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
     loss = model(ids[rows], labels[rows], n_items, world)
@@ -92,10 +92,11 @@ def main():
     ap.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
+    device = "cpu"
     if args.backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.set_default_device("cuda")
-    loss, _ = train_step(args.mode)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    loss, _ = train_step(args.mode, device=device)
     if dist.get_rank() == 0:
         print(f"{args.mode}: loss {loss.item():.6f} on {dist.get_world_size()} processes")
     dist.destroy_process_group()

@@ -49,6 +49,8 @@ class Case:
             parts.append(f"z{self.z_loss}")
         if self.class_weight:
             parts.append("cw")
+        if "strategy" in self.extra:
+            parts.append(self.extra["strategy"])
         return "-".join(parts)
 
 
@@ -99,6 +101,8 @@ def run(fn, case: Case, hidden, weight, bias, targets, **kwargs):
 
 
 def ours(case: Case, hidden, weight, bias, targets, **kwargs):
+    """Our loss and gradients; ``case.extra`` (e.g. ``strategy``) and ``kwargs`` go to the call."""
+    kwargs = dict(case.extra, **kwargs)
     return run(fused_linear_cross_entropy, case, hidden, weight, bias, targets, chunk_bytes=case.chunk_bytes, **kwargs)
 
 

@@ -52,6 +52,21 @@ if ON_GPU:  # sizes that fill the GPU's tiles several times over; too slow for t
         ]
 
 
+# Both gradient paths: "auto" takes the chunked one (gradients in the forward) for "mean"/"sum"
+# when the plane fits in chunk_bytes, else the recompute one; each such case also runs the other
+# path explicitly, and the chunked path in several chunks of rows.
+for dtype in DTYPES:
+    CASES += [
+        Case(77, 96, 500, dtype, "mean", bias=True, ignored=0.2, extra=dict(strategy="recompute")),
+        Case(77, 96, 500, dtype, "sum", logit_scale=2.5, softcap=4.0, extra=dict(strategy="recompute")),
+        Case(77, 96, 500, dtype, "mean", bias=True, ignored=0.2, chunk_bytes=16 * 500 * dtype.itemsize,
+             extra=dict(strategy="chunked")),
+        Case(77, 96, 500, dtype, "sum", logit_scale=2.5, softcap=4.0, chunk_bytes=1, extra=dict(strategy="chunked")),
+        Case(77, 40, 500, dtype, "mean", grad=("weight",), chunk_bytes=32 * 500 * dtype.itemsize,
+             extra=dict(strategy="chunked")),
+    ]
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_float64_reference(case):
     check_three_way(case)

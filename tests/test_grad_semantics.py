@@ -7,7 +7,7 @@ import torch
 
 from cases import Case, make_inputs
 from conftest import DEVICE
-from fused_linear_ce import fused_linear_cross_entropy, launch
+from fused_linear_ce import chunked, fused_linear_cross_entropy, launch
 
 LEAVES = ("hidden", "weight", "bias")
 
@@ -19,15 +19,17 @@ def _leaves(case, requires=LEAVES):
 
 
 def _loss(leaves, targets, case, **kw):
+    kw = dict(case.extra, **kw)
     return fused_linear_cross_entropy(leaves["hidden"], leaves["weight"], targets, leaves["bias"],
                                       reduction=case.reduction, chunk_bytes=case.chunk_bytes, **kw)
 
 
 @pytest.mark.parametrize("case", [
-    Case(33, 40, 300, torch.float32, "mean", bias=True, ignored=0.2),
+    Case(33, 40, 300, torch.float32, "mean", bias=True, ignored=0.2),  # chunked (auto: the plane fits)
+    Case(33, 40, 300, torch.float16, "sum", bias=True, ignored=0.2, extra=dict(strategy="chunked")),
     Case(33, 40, 300, torch.bfloat16, "sum", bias=True, ignored=0.2, chunk_bytes=16 * 300 * 2),  # token blocks
     Case(33, 40, 300, torch.float16, "none", bias=True, chunk_bytes=33 * 256 * 2),  # vocabulary blocks
-], ids=lambda c: c.id)
+], ids=lambda c: c.id + "-" + c.extra.get("strategy", "auto"))
 def test_second_backward_accumulates_into_existing_grad(case):
     """Two backward passes into .grad that already holds values: each adds its gradient, in the
     leaf's dtype, exactly as autograd's own accumulation does (bit for bit)."""
@@ -64,28 +66,42 @@ class _KernelSpy:
 
 @pytest.fixture
 def spies(monkeypatch):
-    """Records which backward product runs ("dx": da @ weight, "dw": da^T @ hidden) and each
-    dlogits launch's BIAS_GRAD flag."""
+    """Records which gradient product runs ("dx": da @ weight, "dw": da^T @ hidden) and each launch
+    of the kernels that form da (the recompute path's dlogits, the chunked path's in-place one)
+    with its BIAS_GRAD flag."""
     products, dlogits = [], _KernelSpy(launch.dlogits_kernel)
-    real_matmul = launch._matmul
+    in_place = _KernelSpy(chunked.softmax_gradient_kernel)
+    monkeypatch.setattr(chunked, "softmax_gradient_kernel", in_place)
+    real_matmul = launch.matmul
 
     def matmul(a, b, c, *args, **kwargs):
         products.append(b.untyped_storage().data_ptr())
         return real_matmul(a, b, c, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "_matmul", matmul)
+    monkeypatch.setattr(launch, "matmul", matmul)
+    real_product = chunked._product
+
+    def product(a, b, out, *args):  # the chunked path's products (torch.mm or launch.matmul)
+        if out.dtype == a.dtype and not args[0] and args[1] is None:
+            products.append(b.untyped_storage().data_ptr())
+        return real_product(a, b, out, *args)
+
+    monkeypatch.setattr(chunked, "_product", product)
     monkeypatch.setattr(launch, "dlogits_kernel", dlogits)
-    return products, dlogits
+    return products, dlogits, in_place
 
 
 GRAD_SUBSETS = [("hidden",), ("weight",), ("bias",), ("hidden", "weight"), ("weight", "bias"), LEAVES]
 
 
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 @pytest.mark.parametrize("chunk_bytes", [None, 16 * 300 * 2], ids=["whole", "blocked"])
 @pytest.mark.parametrize("requires", GRAD_SUBSETS, ids=lambda r: "+".join(r))
-def test_only_inputs_that_require_grad_get_one_and_only_their_products_run(requires, chunk_bytes, spies):
-    products, dlogits = spies
-    case = Case(40, 40, 300, torch.bfloat16, "mean", bias=True, chunk_bytes=chunk_bytes)
+def test_only_inputs_that_require_grad_get_one_and_only_their_products_run(requires, chunk_bytes, strategy, spies):
+    products, recompute, in_place = spies
+    dlogits = recompute if strategy == "recompute" else in_place
+    other = in_place if strategy == "recompute" else recompute
+    case = Case(40, 40, 300, torch.bfloat16, "mean", bias=True, chunk_bytes=chunk_bytes, extra=dict(strategy=strategy))
     leaves, targets = _leaves(case, requires)
     _loss(leaves, targets, case).backward()
     for k, t in leaves.items():
@@ -97,16 +113,18 @@ def test_only_inputs_that_require_grad_get_one_and_only_their_products_run(requi
     assert (by["dx"] in products) == ("hidden" in requires)
     assert (by["dw"] in products) == ("weight" in requires)
     assert dlogits.launches, "the gradient of the logits should run"
+    assert not other.launches, "the other path's kernel should not run"
     assert {kw["BIAS_GRAD"] for kw in dlogits.launches} == {"bias" in requires}
 
 
-def test_no_input_requiring_grad_gives_a_loss_without_graph(spies):
-    products, dlogits = spies
-    case = Case(20, 40, 300, torch.float32, bias=True)
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_no_input_requiring_grad_gives_a_loss_without_graph(strategy, spies):
+    products, dlogits, in_place = spies
+    case = Case(20, 40, 300, torch.float32, bias=True, extra=dict(strategy=strategy))
     leaves, targets = _leaves(case, requires=())
     loss = _loss(leaves, targets, case)
     assert loss.grad_fn is None and not loss.requires_grad
-    assert not products and not dlogits.launches
+    assert not products and not dlogits.launches and not in_place.launches
 
 
 @pytest.fixture
@@ -147,11 +165,12 @@ def test_no_grad_and_inference_mode_run_the_forward_sweep_only(mode, forward_onl
 DOUBLE_BACKWARD = r"no autograd formula was registered|differentiate twice|double backward"
 
 
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_double_backward_raises_a_clear_error(dtype):
+def test_double_backward_raises_a_clear_error(dtype, strategy):
     """create_graph=True still gives the right first-order gradient; differentiating that gradient
     again (a gradient penalty) raises instead of silently treating it as a constant."""
-    case = Case(12, 40, 100, dtype, bias=True)
+    case = Case(12, 40, 100, dtype, bias=True, extra=dict(strategy=strategy))
     leaves, targets = _leaves(case)
     expected = torch.autograd.grad(_loss(leaves, targets, case), leaves["hidden"])[0]
     grad, = torch.autograd.grad(_loss(leaves, targets, case), leaves["hidden"], create_graph=True)
@@ -162,3 +181,23 @@ def test_double_backward_raises_a_clear_error(dtype):
     penalized = _loss(leaves, targets, case) + grad.float().square().sum()
     with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
         penalized.backward()
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_no_grad_with_strategy_chunked_computes_no_gradients(mode, monkeypatch):
+    """strategy="chunked" computes gradients in the forward only when one will be wanted: under
+    no_grad / inference_mode it is the forward sweep alone, with the same loss bit for bit."""
+    case = Case(20, 40, 300, torch.bfloat16, "mean", bias=True, ignored=0.2, extra=dict(strategy="chunked"))
+    leaves, targets = _leaves(case)
+    with_grad = _loss(leaves, targets, case)
+    assert with_grad.grad_fn is not None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the chunked forward (with gradients) ran under no_grad / inference_mode")
+
+    monkeypatch.setattr(chunked, "forward", refuse)
+    with mode():
+        loss = _loss(leaves, targets, case)
+    assert loss.grad_fn is None
+    # The same value; not bit for bit: the chunked sweep merges one split per vocabulary tile.
+    torch.testing.assert_close(loss, with_grad.detach(), rtol=1e-6, atol=0)

@@ -18,22 +18,27 @@ def _problem(b=3, t=7, h=32, v=200, dtype=torch.float32, seed=0):
     return hidden, weight, targets
 
 
-def test_custom_ops_pass_opcheck():
-    """Schema, fake (meta) implementations, autograd registration: torch's own checker."""
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_custom_ops_pass_opcheck(strategy):
+    """Schema, fake (meta) implementations, autograd registration: torch's own checker, on both
+    paths (the chunked one returns the gradients from the forward op)."""
     hidden, weight, targets = _problem()
     h2 = hidden.reshape(-1, 32).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    args = (h2, w, None, targets.reshape(-1), None, -100, 1.0, None, "mean", True, 0.1, 1e-3, True, None, 0)
+    return_lse = strategy == "recompute"
+    args = (h2, w, None, targets.reshape(-1), None, None, -100, 1.0, None, "mean", True, 0.1, 1e-3, return_lse, None,
+            strategy, 0, True, True, False)
     torch.library.opcheck(ops.forward, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
-def test_compiled_training_step_has_no_graph_break_and_matches_eager():
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_compiled_training_step_has_no_graph_break_and_matches_eager(strategy):
     hidden, weight, targets = _problem()
     proj = torch.randn(32, 32, device=DEVICE) * 0.2
 
     def step(x, w, p):
         h = torch.tanh(x @ p)
-        loss, metrics = fused_linear_cross_entropy(h, w, targets, return_metrics=True, shift=True)
+        loss, metrics = fused_linear_cross_entropy(h, w, targets, return_metrics=True, shift=True, strategy=strategy)
         return loss, metrics["mean_token_accuracy"]
 
     leaves = lambda: (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True), proj.clone().requires_grad_(True))  # noqa: E731

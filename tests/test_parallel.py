@@ -4,6 +4,7 @@ single-process result on the unsharded weight. Also DDP and FSDP2 data paralleli
 
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from conftest import ON_GPU, rel_err
 from fused_linear_ce import fused_linear_cross_entropy
 
 # The workers run the Triton interpreter on CPU tensors with gloo; on a CUDA machine the kernels are
-# compiled for the GPU at import, so these CPU tests do not apply there. The NCCL version (2 GPUs) is
-# not written yet.
+# compiled for the GPU at import, so these CPU tests do not apply there. The NCCL versions (2 GPUs)
+# are in test_parallel_nccl.py.
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU/gloo tests (Triton interpreter in the workers)")
 
 SHARDED_CASES = [
@@ -24,6 +25,11 @@ SHARDED_CASES = [
     dict(reduction="none", ignored=0.2, bias=True, logit_scale=0.7, softcap=3.0),
     dict(reduction="sum", ignored=0.2, label_smoothing=0.1, z_loss=1e-3, class_weight=True, return_metrics=True),
     dict(reduction="mean", dtype=torch.bfloat16, bias=True, return_metrics=True, chunk_bytes=16 * 96 * 2),
+    # The chunked path (gradients in the forward, merged per chunk of rows), in one and in two chunks.
+    dict(reduction="sum", ignored=0.2, bias=True, label_smoothing=0.1, class_weight=True, return_metrics=True,
+         strategy="chunked"),
+    dict(reduction="mean", dtype=torch.bfloat16, bias=True, logit_scale=0.7, softcap=3.0, return_metrics=True,
+         strategy="chunked", chunk_bytes=16 * 48 * 2),
 ]
 
 
@@ -43,13 +49,27 @@ def _init(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+def _exit_cleanly():
+    """A worker that passed: leave the group and end the process without running C++ static
+    destructors. In the full CPU suite a gloo worker now and then aborted at interpreter exit
+    ("terminate called without an active exception", SIGABRT) after its test had passed; a failed
+    worker still raises through ``mp.spawn`` as before."""
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _run(hidden, weight, bias, targets, cw, kwargs, group=None):
+    """Loss, metrics, lse and gradients; the lse is returned (and gets a gradient) except on the
+    chunked path, which does not take return_lse."""
     leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
-    out = fused_linear_cross_entropy(leaves[0], leaves[1], targets, leaves[2], class_weight=cw, return_lse=True,
+    with_lse = kwargs.get("strategy") != "chunked"
+    out = fused_linear_cross_entropy(leaves[0], leaves[1], targets, leaves[2], class_weight=cw, return_lse=with_lse,
                                      process_group=group, **kwargs)
-    loss, *rest = out
+    loss, *rest = out if isinstance(out, tuple) else (out,)
     metrics = rest[0] if kwargs.get("return_metrics") else None
-    lse = rest[-1]
+    lse = rest[-1] if with_lse else torch.zeros(())
     g = torch.Generator().manual_seed(5)
     upstream = torch.rand(loss.shape, generator=g) + 0.5
     (loss * upstream).sum().add((lse * 0.1).sum()).backward()
@@ -60,7 +80,8 @@ def _sharded_worker(rank, world, port, index):
     _init(rank, world, port)
     try:
         spec = dict(SHARDED_CASES[index])
-        opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes") if k in spec}
+        opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes", "strategy")
+                if k in spec}
         case = Case(23, 40, 96, **{k: v for k, v in spec.items()
                                                                           if k in Case.__dataclass_fields__})
         kwargs = dict(reduction=case.reduction, ignore_index=case.ignore_index, logit_scale=case.logit_scale,
@@ -71,6 +92,10 @@ def _sharded_worker(rank, world, port, index):
         full = _run(hidden, weight, bias, targets, cw, kwargs)
         part = _run(hidden, weight[shard].contiguous(), None if bias is None else bias[shard].contiguous(), targets,
                     None if cw is None else cw[shard].contiguous(), kwargs, group=dist.group.WORLD)
+        # Every rank is past its last collective before any can leave on a failed assertion (a rank
+        # that exits while a peer is still inside an all-reduce makes gloo abort that peer, and the
+        # abort, not the assertion, is what the test would report).
+        dist.barrier()
         tol = 1e-5 if case.dtype == torch.float32 else 1e-2
         assert rel_err(part[0], full[0]) < 1e-5, "loss"
         assert rel_err(part[2], full[2]) < 1e-6, "lse"
@@ -81,8 +106,10 @@ def _sharded_worker(rank, world, port, index):
         assert rel_err(part[3][1], full[3][1][shard]) < tol, "grad_weight shard"
         if bias is not None:
             assert rel_err(part[3][2], full[3][2][shard]) < tol, "grad_bias shard"
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _exit_cleanly()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -98,8 +125,10 @@ def _unequal_worker(rank, world, port):
         hidden, weight, _, targets = make_inputs(Case(5, 16, 30), device="cpu")
         with pytest.raises(ValueError, match="equal sizes"):
             fused_linear_cross_entropy(hidden, weight[: 10 + rank], targets, process_group=dist.group.WORLD)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _exit_cleanly()
 
 
 def test_unequal_shards_raise():
@@ -126,8 +155,10 @@ def _data_parallel_worker(rank, world, port, mode):
         assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
         for name, p in single.named_parameters():
             assert rel_err(grads[name], p.grad) < 1e-5, name
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _exit_cleanly()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

@@ -2,12 +2,16 @@
 
 Nothing of size (N, V) is written: each program keeps its rows' running statistics in registers
 and writes O(BLOCK_N) numbers per vocabulary split; a second tiny kernel merges the splits.
+
+The chunked path (``chunked.py``) runs the same kernel with one tile per split and STORE_E: each
+tile also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its chunk of rows, which
+``gradient_kernels.py`` then turns into the logits' gradient in place.
 """
 
 import triton
 import triton.language as tl
 
-from .logits import logit_tile
+from .logits import grouped_tile, logit_tile, round_to
 
 # Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
 # STAT_WZ is sum_v w[v] z[v] (w = class weights, or 1), which label smoothing needs.
@@ -24,6 +28,8 @@ def lse_sweep_kernel(
     class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 out
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
+    e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
+    stride_e,
     N,
     V,
     H,
@@ -36,6 +42,7 @@ def lse_sweep_kernel(
     logit_scale,
     softcap,
     tiles_per_split,
+    num_splits,
     vocab_offset,  # global id of this weight's first row (vocabulary-parallel shards), else 0
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -48,17 +55,23 @@ def lse_sweep_kernel(
     EVEN_H: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    STORE_E: tl.constexpr = False,
+    EMULATE_ROUNDING: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 0,
 ):
     """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
 
-    Grid (cdiv(N, BLOCK_N), SPLIT). Per row it carries the running max m, the rescaled sum of
+    Grid (cdiv(N, BLOCK_N), SPLIT), or with GROUP_M > 0 a 1-D grid over the same programs in groups
+    of GROUP_M row blocks (``grouped_tile``: a wave shares fewer rows and weight tiles). Per row it carries the running max m, the rescaled sum of
     exp(z - m), the target logit (from the one tile that holds the target), with METRICS
     the rescaled sum of exp(z - m) * z and the running argmax, and with SMOOTHING the sum of
     w[v] * z (label smoothing's mean logit, class-weighted when HAS_CLASS_WEIGHT). fp32, no atomics.
     """
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    num_splits = tl.num_programs(1)
+    if GROUP_M > 0:
+        pid_n, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_M)
+    else:
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = tl.where(mask_n, offs_n, 0)
@@ -92,6 +105,14 @@ def lse_sweep_kernel(
             alpha = tl.exp(m - m_new)
             e = tl.exp(z - m_new[:, None])
             s = s * alpha + tl.sum(e, axis=1)
+            if STORE_E:  # one tile per split (the host guarantees it): m_new is this tile's max
+                e_out = e
+                if HAS_SOFTCAP:
+                    tc = z / softcap
+                    e_out = tl.where(mask_v[None, :], e * (1.0 - tc * tc), 0.0)
+                e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :]
+                tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, EMULATE_ROUNDING),
+                         mask=mask_n[:, None] & mask_v[None, :])
             is_target = (offs_v[None, :] + vocab_offset == target[:, None]) & mask_v[None, :]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             if SMOOTHING:

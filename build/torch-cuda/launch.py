@@ -32,6 +32,12 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     )
 
 
+def logit_flags(dtype: torch.dtype) -> dict:
+    """For kernels that compute logits: ``_dot_flags`` and no fused multiply-add contraction where
+    ``configs.fp_fusion`` says so, so that every kernel rounds z = scale * acc (- m) the same way."""
+    return dict(_dot_flags(dtype), enable_fp_fusion=configs.fp_fusion(dtype))
+
+
 def _bias_args(bias, like):
     return (bias, bias.stride(0)) if bias is not None else (like, 0)
 
@@ -59,6 +65,15 @@ class RowStats:
 def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=None) -> RowStats:
     """The vocabulary sweep: per-row log-sum-exp, target logit and optional sums, O(N) memory.
     With a vocabulary ``shard`` (parallel.Shard) the statistics are merged across its group."""
+    return sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
+
+
+def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None):
+    """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
+
+    With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
+    exp(z - m_tile) there (the chunked path); plane 0 of the per-split statistics, (T, N), is then
+    each tile's row max."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
@@ -73,28 +88,37 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
     argmax_out = _new((n,), torch.int64, device) if metrics else None
     stats_out = RowStats(lse2, z_target, wz, entropy, best, argmax_out)
     if n == 0:
-        return stats_out
+        return stats_out, None
 
-    cfg = configs.sweep_config(hidden.dtype)
+    cfg = configs.sweep_config(hidden.dtype, chunked=e_out is not None)
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
-    splits = configs.vocab_splits(n_blocks, n_tiles, device)
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
-    stats = _new((NUM_STATS, splits, n), torch.float32, device)
+    if e_out is None:
+        splits = configs.vocab_splits(n_blocks, n_tiles, device)
+        tiles_per_split = triton.cdiv(n_tiles, splits)
+        splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
+    else:
+        splits, tiles_per_split = n_tiles, 1
+    # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz).
+    n_stats = NUM_STATS if smoothing else (5 if metrics else 3)
+    stats = _new((n_stats, splits, n), torch.float32, device)
     argmax = _new((splits, n), torch.int32, device) if metrics else stats
     bias_arg, stride_b = _bias_args(bias, hidden)
     softcap = float(opts.softcap) if opts.softcap is not None else 1.0
 
-    lse_sweep_kernel[(n_blocks, splits)](
+    group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
+    grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
+    lse_sweep_kernel[grid](
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
+        e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
         n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
-        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, offset,
+        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
         SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(hidden.dtype),
+        STORE_E=e_out is not None, EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **logit_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
         stats, argmax, targets, lse2, z_target,
@@ -104,10 +128,10 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
     )
     if shard is not None:
         parallel.merge_stats(stats_out, shard, metrics)
-    return stats_out
+    return stats_out, stats
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
+def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
     """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
     strides; ``unscale`` an optional fp32 (1,) device tensor."""
     m, k = a.shape
@@ -126,7 +150,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool,
     )
 
 
-def _fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
+def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     """A power of two that lifts fp16 da out of the subnormal range, and its inverse (fp32 tensors).
 
     da = logit_scale * (A p - B onehot - C w) * softcap', with p and softcap' at most 1, so
@@ -179,7 +203,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
 
     unscale = common.reshape(1).to(torch.float32) if common is not None else None
     if dtype == torch.float16 and n > 0:
-        scale, inverse = _fp16_gradient_scale(coef, class_weight, opts.logit_scale)
+        scale, inverse = fp16_gradient_scale(coef, class_weight, opts.logit_scale)
         coef = coef * scale
         unscale = inverse if unscale is None else unscale * inverse
 
@@ -205,13 +229,13 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                     BIAS_GRAD=need_db,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
                     EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                    **_dot_flags(dtype),
+                    **logit_flags(dtype),
                 )
                 da = dlogits[:r, :c]
                 if need_dx:
-                    _matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
+                    matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
                 if need_dw:
-                    _matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
+                    matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
             if need_db:
                 block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
                 db_acc += block_sum if unscale is None else block_sum * unscale

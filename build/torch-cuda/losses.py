@@ -108,36 +108,40 @@ def metric_sums(stats, targets, weights: TargetWeights) -> torch.Tensor:
     ])
 
 
-def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
-    """The (3, N) fp32 per-row coefficients A, B, C of ``da`` (module docstring), and a factor common
-    to every row (or None): for "mean" and "sum" the upstream scalar (over sum w[t] for the mean),
-    left out of the coefficients and applied to the products in fp32, since rounding it into bf16
-    da would be the same error on every row, which does not average out. A counted row whose target
-    is outside [0, V) gets B = NaN, which the kernel turns into a NaN row."""
+def upstream(grad_loss, grad_lse, weights: TargetWeights, opts: Options):
+    """(g_ce, g_z, common): the upstream gradients of the rows' cross-entropy and z-loss terms after
+    the reduction (scalars, or (N,) for "none"), and a factor common to every row (or None).
+
+    For "mean" and "sum" the upstream scalar (over sum w[t] for the mean) is the common factor: it
+    is left out of the coefficients and applied to the products in fp32, since rounding it into
+    bf16 da would be the same error on every row, which does not average out; the target entries
+    of da are then exactly (1 - eps) w[t] (p - 1). ``grad_loss`` None means no loss gradient."""
+    device = weights.counted.device
+    zero = torch.zeros((), device=device)
+    counted, w_t = weights.counted, weights.per_row
+    if grad_loss is None:
+        return zero, zero, None
+    g = grad_loss.to(torch.float32)
+    if grad_loss.ndim == 0 and grad_lse is None:
+        one = torch.ones((), device=device)
+        if opts.reduction != "mean":
+            return one, one, g
+        denominator = w_t.sum()
+        common = torch.where(denominator > 0, g / denominator, zero)  # no counted row: zero gradients
+        return one, denominator / counted.sum(), common  # z-loss's mean is over rows, not weights
+    if opts.reduction == "mean":  # a returned lse's gradient is per row: no common factor
+        return g / w_t.sum(), g / counted.sum(), None
+    return g, g, None
+
+
+def row_coefficients(g_ce, g_z, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
+    """The (3, n) fp32 per-row coefficients A, B, C of ``da`` (module docstring) for the rows of
+    ``targets`` (``weights`` and ``lse`` of the same rows). A counted row whose target is outside
+    [0, V) gets B = NaN, which the kernels turn into a NaN row."""
     n = targets.shape[0]
     zero = torch.zeros((), device=lse.device)
     eps = opts.label_smoothing
     counted, w_t = weights.counted, weights.per_row
-    common = None
-    if grad_loss is None:
-        g_ce = g_z = zero
-    elif grad_loss.ndim == 0 and grad_lse is None:
-        # "mean" / "sum": one upstream scalar for every row. Leave it (and the mean's denominator)
-        # out of da and apply it to the products in fp32: then the target entries of da are exactly
-        # (1 - eps) w[t] (p - 1), with no common rounding error repeated on every row.
-        g = grad_loss.to(torch.float32)
-        g_ce = g_z = torch.ones((), device=lse.device)
-        common = g
-        if opts.reduction == "mean":
-            denominator = w_t.sum()
-            common = torch.where(denominator > 0, g / denominator, zero)  # no counted row: zero gradients
-            g_z = denominator / counted.sum()  # z-loss's mean is over rows, not weights
-    else:
-        g = grad_loss.to(torch.float32)
-        g_ce = g_z = g
-        if opts.reduction == "mean":  # a returned lse's gradient is per row: no common factor
-            g_ce = g / w_t.sum()
-            g_z = g / counted.sum()
     v = weights.v_total
     w_sum = weights.total if eps else 0.0
     coef_b = g_ce * (1.0 - eps) * w_t
@@ -150,4 +154,16 @@ def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts
         coef_a = coef_a + grad_lse.to(torch.float32)
     out_of_range = counted & ((targets < 0) | (targets >= v))
     coef_b = torch.where(out_of_range, torch.full((), float("nan"), device=lse.device), coef_b)
-    return torch.stack([coef_a, coef_b, coef_c]), common
+    return torch.stack([coef_a, coef_b, coef_c])
+
+
+def rows(weights: TargetWeights, start: int, stop: int) -> TargetWeights:
+    """The target weights of rows [start, stop) (W stays the whole vocabulary's)."""
+    return TargetWeights(weights.counted[start:stop], weights.per_row[start:stop], weights.total,
+                         weights.weighted, weights.v_total)
+
+
+def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
+    """The (3, N) coefficients of every row and the common factor (``upstream``)."""
+    g_ce, g_z, common = upstream(grad_loss, grad_lse, weights, opts)
+    return row_coefficients(g_ce, g_z, grad_lse, lse, targets, weights, opts), common

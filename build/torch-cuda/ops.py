@@ -11,46 +11,71 @@ from typing import Optional
 
 import torch
 
-from . import launch, losses, parallel
+from . import chunked, launch, losses, parallel
 from .validate import Options
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
 
 
 def _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
-             return_lse, chunk_bytes) -> Options:
+             return_lse, chunk_bytes, strategy="recompute") -> Options:
     return Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction=reduction,
                    return_metrics=return_metrics, label_smoothing=label_smoothing, z_loss=z_loss,
-                   return_lse=return_lse, chunk_bytes=chunk_bytes)
+                   return_lse=return_lse, chunk_bytes=chunk_bytes, strategy=strategy)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
 def forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    class_weight: Optional[torch.Tensor], ignore_index: int, logit_scale: float, softcap: Optional[float],
-    reduction: str, return_metrics: bool, label_smoothing: float, z_loss: float, return_lse: bool,
-    chunk_bytes: Optional[int], group_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, metric sums, lse, lse2): metric sums is (3,) [correct, entropy, counted rows] or (0,);
-    lse2 (2, N) is the lse as row max and log-sum, which the backward uses.
-    ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none."""
+    class_weight: Optional[torch.Tensor], divisor: Optional[torch.Tensor], ignore_index: int, logit_scale: float,
+    softcap: Optional[float], reduction: str, return_metrics: bool, label_smoothing: float, z_loss: float,
+    return_lse: bool, chunk_bytes: Optional[int], strategy: str, group_id: int, need_dx: bool, need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, metric sums, lse, lse2, grad_hidden, grad_weight, grad_bias): metric sums is (3,)
+    [correct, entropy, counted rows] or (0,); lse2 (2, N) is the lse as row max and log-sum, which
+    the recompute backward uses. The three gradients are those of an upstream gradient of 1 when
+    the chunked path runs (``chunked.use``), else empty (0,). ``divisor`` (fp32 0-d, with "sum"):
+    the loss is the sum over it (``num_items_in_batch``), inside the op so that the chunked path
+    folds it into the gradients before their one rounding. ``group_id`` names a vocabulary-parallel
+    process group (parallel.register), 0 for none."""
     opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
-                    return_lse, chunk_bytes)
+                    return_lse, chunk_bytes, strategy)
     shard = parallel.shard_for(group_id, weight.shape[0])
-    stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+    needs = (need_dx, need_dw, need_db)
+    grads = [None] * 3
+    if chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs):
+        stats, *grads = chunked.forward(hidden, weight, targets, bias, class_weight, opts, *needs, shard, divisor)
+    else:
+        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+    grads = [g if g is not None else hidden.new_empty((0,)) for g in grads]  # distinct outputs
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)
+    if divisor is not None:
+        loss = loss / divisor
     sums = losses.metric_sums(stats, targets, weights) if return_metrics else loss.new_empty((0,))
-    return loss, sums, stats.lse, stats.lse2
+    return (loss, sums, stats.lse, stats.lse2, *grads)
 
 
 @forward.register_fake
-def _(hidden, weight, bias, targets, class_weight, ignore_index, logit_scale, softcap, reduction,
-      return_metrics, label_smoothing, z_loss, return_lse, chunk_bytes, group_id):
+def _(hidden, weight, bias, targets, class_weight, divisor, ignore_index, logit_scale, softcap, reduction,
+      return_metrics, label_smoothing, z_loss, return_lse, chunk_bytes, strategy, group_id, need_dx, need_dw,
+      need_db):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     sums = hidden.new_empty((3,) if return_metrics else (0,), dtype=torch.float32)
-    return loss, sums, hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((2, n), dtype=torch.float32)
+    opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
+                    return_lse, chunk_bytes, strategy)
+    needs = (need_dx, need_dw, need_db)
+    use = chunked.use(opts, n, weight.shape[0], hidden.dtype, needs)
+    unit = chunked.unit_dtype(hidden.dtype)
+    grads = (
+        hidden.new_empty(hidden.shape, dtype=unit) if use and need_dx else hidden.new_empty((0,)),
+        weight.new_empty(weight.shape, dtype=unit) if use and need_dw else hidden.new_empty((0,)),
+        weight.new_empty((weight.shape[0],), dtype=torch.float32) if use and need_db else hidden.new_empty((0,)),
+    )
+    return (loss, sums, hidden.new_empty((n,), dtype=torch.float32),
+            hidden.new_empty((2, n), dtype=torch.float32), *grads)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=())
@@ -84,34 +109,79 @@ def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, ig
 
 
 _OPTION_NAMES = ("ignore_index", "logit_scale", "softcap", "reduction", "return_metrics", "label_smoothing",
-                 "z_loss", "return_lse", "chunk_bytes", "group_id")
+                 "z_loss", "return_lse", "chunk_bytes", "strategy", "group_id", "need_dx", "need_dw", "need_db")
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, targets, class_weight, *options = inputs
+    hidden, weight, bias, targets, class_weight, divisor, *options = inputs
     ctx.options = dict(zip(_OPTION_NAMES, options))
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3])
-
-
-def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2):
-    hidden, weight, bias, targets, class_weight, lse2 = ctx.saved_tensors
     o = ctx.options
+    opts = _options(o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["return_metrics"],
+                    o["label_smoothing"], o["z_loss"], o["return_lse"], o["chunk_bytes"], o["strategy"])
+    ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype,
+                              (o["need_dx"], o["need_dw"], o["need_db"]))
+    if ctx.chunked:
+        ctx.save_for_backward(*output[4:])
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
+    else:
+        ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::scale_gradients", mutates_args=())
+def scale_gradients(
+    grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor, grad_loss: torch.Tensor,
+    hidden_dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked path's backward: the gradients computed in the forward for an upstream gradient
+    of 1 (``chunked.unit_dtype``), times the real one, in the leaves' dtypes. bf16 * an fp32 0-d
+    tensor stays bf16 and is computed in fp32 (one rounding, no fp32 copy of the gradient); exact
+    when the upstream gradient is a power of two, as 1 is. An op without an autograd formula, like
+    ``backward``: differentiating it again raises."""
+    g = grad_loss.to(torch.float32)
+    return tuple((t * g).to(d) for t, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype),
+                                           (grad_bias, bias_dtype)))
+
+
+@scale_gradients.register_fake
+def _(grad_hidden, grad_weight, grad_bias, grad_loss, hidden_dtype, weight_dtype, bias_dtype):
+    return (grad_hidden.new_empty(grad_hidden.shape, dtype=hidden_dtype),
+            grad_weight.new_empty(grad_weight.shape, dtype=weight_dtype),
+            grad_bias.new_empty(grad_bias.shape, dtype=bias_dtype))
+
+
+def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
+    need_dx, need_dw, need_db = ctx.needs
+    o = ctx.options
+    if ctx.chunked:
+        missing = [k for k, need in zip(("hidden", "weight", "bias"), ctx.needs)
+                   if need and not o["need_" + {"hidden": "dx", "weight": "dw", "bias": "db"}[k]]]
+        if missing:
+            raise RuntimeError(f"fused_linear_cross_entropy: {missing} did not require grad when the loss was "
+                               "computed, so the chunked path computed no gradient for them")
+        dx, dw, db = scale_gradients(*ctx.saved_tensors, grad_loss, *ctx.dtypes)
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                None, None, None) + (None,) * len(_OPTION_NAMES)
+    hidden, weight, bias, targets, class_weight, lse2, divisor = ctx.saved_tensors
+    if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient
+        grad_loss = grad_loss / divisor
     dx, dw, db = backward(
         grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse2,
         o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["label_smoothing"], o["z_loss"],
         o["chunk_bytes"], o["group_id"], *ctx.needs,
     )
-    need_dx, need_dw, need_db = ctx.needs
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-            None, None) + (None,) * len(_OPTION_NAMES)
+            None, None, None) + (None,) * len(_OPTION_NAMES)
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def apply(hidden, weight, bias, targets, class_weight, opts: Options, group=None):
-    """Calls the forward op with ``opts`` spread into its scalar arguments."""
+def apply(hidden, weight, bias, targets, class_weight, opts: Options, group=None, divisor=None):
+    """Calls the forward op with ``opts`` spread into its scalar arguments. Which gradients will be
+    wanted is read here (grad mode and requires_grad), for the chunked path."""
     group_id = parallel.register(group) if group is not None else 0
-    options = [getattr(opts, k) for k in _OPTION_NAMES[:-1]] + [group_id]
-    return forward(hidden, weight, bias, targets, class_weight, *options)
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    options = [getattr(opts, k) for k in _OPTION_NAMES[:-4]] + [group_id] + needs
+    return forward(hidden, weight, bias, targets, class_weight, divisor, *options)

@@ -49,6 +49,7 @@ def fused_linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     process_group=None,
     chunk_bytes: int | None = None,
+    strategy: str = "auto",
 ):
     """Computes ``F.cross_entropy(softcap((hidden @ weight.T + bias) * logit_scale), targets)`` with
     fp32 logits, without materialising the (N, V) logits.
@@ -79,7 +80,9 @@ def fused_linear_cross_entropy(
         shift: causal-LM targets: row t of each sequence (the last dim of ``targets``) is scored
             against target t + 1, the last row of each sequence against nothing. No copy of hidden.
         num_items_in_batch: int or 0-d tensor: the loss is the summed loss divided by it (the
-            global count of counted tokens under gradient accumulation); no host sync.
+            global count of counted tokens under gradient accumulation); no host sync. It is a
+            divisor inside the op, so the chunked path's gradients include it before their one
+            rounding.
         process_group: vocabulary parallelism (torch.distributed): ``weight`` (and ``bias``,
             ``class_weight``) are this rank's contiguous shard of the vocabulary, equal sizes, ranks
             in group order; ``targets`` are global ids. Every rank gets the loss, metrics and lse of
@@ -89,7 +92,18 @@ def fused_linear_cross_entropy(
             take (default 256 MiB). The backward walks the (N, V) plane in blocks of whole
             vocabulary rows or whole batch columns, whichever needs the smaller fp32 accumulator
             (V x H or N x H; none for fp32 inputs or when the whole plane fits). Larger blocks mean
-            fewer, larger products; see the README for measured time against memory.
+            fewer, larger products; see the README for measured time against memory. On the
+            chunked path it bounds the buffer of one chunk of rows instead.
+        strategy: how the gradients are computed. "recompute": the forward keeps only the per-row
+            lse; the backward recomputes the logits block by block (4 products in all, memory set
+            by ``chunk_bytes``). "chunked": the forward computes the gradients too, chunk of rows by
+            chunk of rows (3 products; each chunk's exponentials turned into their gradient in
+            place; an fp32 V x H buffer when there is more than one chunk), and the backward only
+            scales them; not with ``reduction="none"``, ``return_lse`` or softcap together with
+            label smoothing (ValueError). "auto" (default): "chunked" when the options allow it and
+            the whole (N, V) gradient fits in ``chunk_bytes`` (one chunk), else "recompute". The
+            chunked path holds the gradients from the forward to the backward. Without gradients
+            (``torch.no_grad``, nothing requires grad) both run the forward sweep only.
 
     Returns:
         The loss as fp32 (0-d, or targets' shape with ``reduction="none"``); with ``return_metrics`` a
@@ -117,6 +131,7 @@ def fused_linear_cross_entropy(
         z_loss=z_loss,
         return_lse=return_lse,
         chunk_bytes=chunk_bytes,
+        strategy=strategy,
     )
     hidden, weight, bias = _autocast(hidden, weight, bias)
     check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch)
@@ -127,13 +142,17 @@ def fused_linear_cross_entropy(
         targets = _shift(targets, ignore_index)
     if class_weight is not None:
         class_weight = class_weight.to(torch.float32).contiguous()
+    divisor = None
     if num_items_in_batch is not None:
         opts = replace(opts, reduction="sum")
-    loss, sums, lse, _ = ops.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts, process_group
+        if isinstance(num_items_in_batch, torch.Tensor):
+            divisor = num_items_in_batch.to(device=hidden.device, dtype=torch.float32)
+        else:  # a fill, not a host-to-device copy: no sync, and CUDA-graph capturable
+            divisor = torch.full((), float(num_items_in_batch), device=hidden.device)
+    loss, sums, lse, *_ = ops.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts, process_group,
+        divisor,
     )
-    if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
     if reduction == "none":
         loss = loss.reshape(lead)
     out = [loss]

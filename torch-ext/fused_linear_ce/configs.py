@@ -48,6 +48,10 @@ _CPU_MATMUL = MatmulConfig(block_m=64, block_p=64, block_k=256, group_m=4, num_w
 # GPU: 128 x 256 logit tiles over 64-wide H steps (H200: 15.2 ms vs 19.9 ms for 128 x 128 at S1).
 _GPU_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=8, num_warps=8, num_stages=3)
 _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3)
+# The chunked path's sweep, one tile a program in a 1-D grid grouped by group_m row blocks (a wave
+# shares fewer rows and weight tiles): 256 x 128 tiles, groups of 16 (H200, S1: 42.0-43.4 ms
+# fwd+bwd against 47.3 with 128 x 256 tiles in the 2-D grid; benchmarks/NOTES.md).
+_GPU_CHUNKED_SWEEP = TileConfig(block_n=256, block_v=128, block_h=64, group_m=16, num_warps=8, num_stages=3)
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
 
@@ -59,10 +63,14 @@ _CPU_SPLITS = 3
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 
-def sweep_config(dtype: torch.dtype) -> TileConfig:
+def sweep_config(dtype: torch.dtype, *, chunked: bool = False) -> TileConfig:
+    """The sweep's tiles; ``chunked``: the chunked path's (its in-place gradient kernel uses the
+    same tiles, one tile max per row of each)."""
     if interpreted():
         return _CPU_SWEEP
-    return _GPU_SWEEP_FP32 if dtype == torch.float32 else _GPU_SWEEP
+    if dtype == torch.float32:
+        return _GPU_SWEEP_FP32
+    return _GPU_CHUNKED_SWEEP if chunked else _GPU_SWEEP
 
 
 def matmul_config(dtype: torch.dtype) -> MatmulConfig:
@@ -118,6 +126,29 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
     vocab = BackwardPlan(n, vocab_cols, fp16ish, False)
     itemsize = dtype.itemsize
     return min((vocab, token), key=lambda p: p.extra_bytes(n, v, h, itemsize))
+
+
+def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, block_n: int) -> int:
+    """Rows per chunk of the chunked path: as many whole vocabulary rows of the (R, V) buffer (the
+    input dtype) as ``chunk_bytes`` holds, in whole row blocks, at least one row block; all N when
+    they fit."""
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    rows = budget // max(1, v * dtype.itemsize)
+    if rows >= n:
+        return max(n, 1)
+    return max(block_n, rows // block_n * block_n)
+
+
+def fp_fusion(dtype: torch.dtype) -> bool:
+    """Whether kernels that compute logits may contract multiply-adds (``enable_fp_fusion``): no.
+
+    A contraction of ``scale * acc - m`` into one fma skips the rounding of the logit, so the
+    recomputing backward's z - m differed from the forward's by up to half an ulp of z (6e-5 at
+    |z| ~ 2e3), which showed in p at large logits (issue 3: fp32 with logit_scale 1e3, hidden error
+    9.5e-5 against plain torch's 2.4e-7 on the H200; the interpreter never contracts, so CPU passed).
+    Off for every dtype: on the H200 at S1 bf16 it costs nothing measurable (recompute 60.6 ms off
+    against 60.5-66.6 on, chunked 49.8 against 49.0-51.7; benchmarks/NOTES.md)."""
+    return False
 
 
 def input_precision(dtype: torch.dtype) -> str:

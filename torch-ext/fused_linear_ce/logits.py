@@ -111,3 +111,16 @@ def logit_tile(
     if HAS_SOFTCAP:
         acc = softcap * tanh(acc / softcap)
     return acc
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Maps a 1-D program id to (pid_m, pid_n) in groups of GROUP_M row tiles (L2 reuse of the
+    column operand; performance only)."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    return pid_m, pid_n

@@ -24,6 +24,21 @@ class Options:
     z_loss: float = 0.0
     return_lse: bool = False
     chunk_bytes: int | None = None
+    strategy: str = "auto"
+
+
+STRATEGIES = ("auto", "recompute", "chunked")
+
+
+def chunked_unsupported(opts: Options) -> str | None:
+    """Why the chunked path (gradients in the forward) cannot take these options, or None."""
+    if opts.reduction == "none":
+        return 'reduction="none" (the per-row upstream gradient is only known in the backward)'
+    if opts.return_lse:
+        return "return_lse=True (the lse's upstream gradient is only known in the backward)"
+    if opts.softcap is not None and opts.label_smoothing > 0:
+        return "softcap together with label_smoothing (the smoothing term needs every z again)"
+    return None
 
 
 def _is_real(x) -> bool:
@@ -118,3 +133,8 @@ def check_options(opts: Options) -> None:
         not isinstance(opts.chunk_bytes, int) or isinstance(opts.chunk_bytes, bool) or opts.chunk_bytes < 1
     ):
         raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {opts.chunk_bytes!r}")
+    if opts.strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {opts.strategy!r}")
+    if opts.strategy == "chunked" and (why := chunked_unsupported(opts)) is not None:
+        raise ValueError(f'strategy="chunked" computes the gradients in the forward and cannot take {why}; '
+                         'use strategy="recompute" or "auto"')
