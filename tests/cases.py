@@ -5,7 +5,13 @@ from dataclasses import dataclass, field
 import torch
 
 from conftest import CAP, DEVICE, TOL, reference, rel_err
-from fused_linear_ce import fused_linear_cross_entropy
+from fused_linear_ce import chunked, fused_linear_cross_entropy
+from fused_linear_ce.validate import Options
+
+# The chunked path rounds each non-target entry of the logits' gradient twice (exp(z - m_tile) into
+# the buffer, then da) and its bf16 gradients a second time when the upstream gradient is not a
+# power of two (the tests' upstream is random): one more rounding of the input dtype at most.
+CHUNKED_EXTRA = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,16 @@ def plain(case: Case, hidden, weight, bias, targets, compute_dtype):
     return run(fn, case, hidden, weight, bias, targets)
 
 
+def runs_chunked(case: Case) -> bool:
+    """Whether ``ours(case, ...)`` takes the chunked path (``chunked.use`` on the case's options)."""
+    opts = Options(ignore_index=case.ignore_index, logit_scale=case.logit_scale, softcap=case.softcap,
+                   reduction=case.reduction, label_smoothing=case.label_smoothing, z_loss=case.z_loss,
+                   return_lse=case.extra.get("return_lse", False), chunk_bytes=case.chunk_bytes,
+                   strategy=case.extra.get("strategy", "auto"))
+    needs = tuple(k in case.grad and (k != "bias" or case.bias) for k in ("hidden", "weight", "bias"))
+    return chunked.use(opts, case.n, case.v, case.dtype, needs)
+
+
 def check_three_way(case: Case, inputs=None, floor=None):
     """Ours against float64, held to plain torch's own error in the input dtype plus TOL. ``inputs``
     (hidden, weight, bias, targets) replaces ``make_inputs(case)`` for hand-made values; ``floor``
@@ -135,7 +151,8 @@ def check_three_way(case: Case, inputs=None, floor=None):
             assert got is not None, f"no gradient for {name}"
             assert got.dtype == case.dtype and got.shape == gt.shape, (name, got.dtype, got.shape)
         err = rel_err(got, gt)
-        bound = min(rel_err(ref, gt) + TOL[case.dtype], CAP[case.dtype])
+        extra = CHUNKED_EXTRA[case.dtype] if runs_chunked(case) else 0.0
+        bound = min(rel_err(ref, gt) + TOL[case.dtype] + extra, CAP[case.dtype])
         bound = max(bound, (floor or {}).get(name, 0.0))
         assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (plain torch {rel_err(ref, gt):.3e})"
     for k in ("hidden", "weight", "bias"):

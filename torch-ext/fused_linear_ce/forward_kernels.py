@@ -129,7 +129,7 @@ def lse_sweep_kernel(
                 best_idx = tl.where(better, vt * BLOCK_V + tile_arg, best_idx)
             m = m_new
 
-    plane = num_splits.to(tl.int64) * N
+    plane = tl.full((), num_splits, tl.int64) * N  # num_splits may come in as a constexpr 1
     base = stats_ptr + pid_s.to(tl.int64) * N + offs_n
     tl.store(base + 0 * plane, m, mask=mask_n)
     tl.store(base + 1 * plane, s, mask=mask_n)
