@@ -87,6 +87,13 @@ def spies(monkeypatch):
         return real_product(a, b, out, *args)
 
     monkeypatch.setattr(chunked, "_product", product)
+    real_mm = chunked._mm
+
+    def mm(a, b):  # the chunked path's one-chunk weight-gradient product
+        products.append(b.untyped_storage().data_ptr())
+        return real_mm(a, b)
+
+    monkeypatch.setattr(chunked, "_mm", mm)
     monkeypatch.setattr(launch, "dlogits_kernel", dlogits)
     return products, dlogits, in_place
 

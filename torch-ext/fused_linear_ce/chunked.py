@@ -49,6 +49,11 @@ def _product(a, b, out, accumulate, unscale):
         launch.matmul(a, b, out, accumulate, unscale)
 
 
+def _mm(a, b):
+    """a @ b as a new tensor (torch.mm: cuBLAS on a GPU, fp32 accumulation)."""
+    return torch.mm(a, b)
+
+
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the chunked path keeps its gradients in until the backward (see ``forward``)."""
     return torch.float32 if dtype == torch.float16 else dtype
@@ -57,8 +62,8 @@ def unit_dtype(dtype: torch.dtype) -> torch.dtype:
 def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx, need_dw, need_db,
             shard=None, divisor=None):
     """Returns (RowStats of all rows, grad_hidden, grad_weight, grad_bias) with the gradients for an
-    upstream gradient of 1 (of the loss over ``divisor`` when given) (None where not needed), in ``unit_dtype(hidden.dtype)`` (the bias's in
-    fp32)."""
+    upstream gradient of 1 (of the loss over ``divisor`` when given), None where not needed, in
+    ``unit_dtype(hidden.dtype)`` (the bias's in fp32)."""
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -85,7 +90,10 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if need_dx and shard is not None and out_dtype != torch.float32:
         dx_acc = _new((n, h), torch.float32, device)  # summed over ranks in fp32
     grad_weight = dw_acc = None
-    if need_dw:
+    # One chunk in the input dtype: grad_weight is torch.mm's own result (an out= of another layout
+    # can cost torch a temporary of the output's size), allocated when the product runs.
+    direct_dw = need_dw and n_chunks == 1 and out_dtype == dtype
+    if need_dw and not direct_dw:
         grad_weight = _new((v, h), out_dtype, device)
         dw_acc = _new((v, h), torch.float32, device) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
@@ -124,7 +132,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         )
         if need_dx:
             _product(da, weight, dx_acc[sl], False, chunk_unscale)
-        if need_dw:
+        if direct_dw:
+            grad_weight = _mm(da.t(), hidden[sl])
+        elif need_dw:
             _product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
         if need_db:
             block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
@@ -134,7 +144,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         parallel.all_reduce(dx_acc, shard)
         if dx_acc is not grad_hidden:
             grad_hidden.copy_(dx_acc)
-    if need_dw and dw_acc is not grad_weight:
+    if need_dw and not direct_dw and dw_acc is not grad_weight:
         grad_weight.copy_(dw_acc)
     grad_bias = db_acc if need_db else None  # (V,) fp32: cheap, and rounded once, in the backward
     if len(parts) == 1:
