@@ -50,6 +50,14 @@ BAD = {
     "scale-nan": (lambda h, w, t: (h, w, t, None, {"logit_scale": math.nan}), ValueError, "logit_scale"),
     "empty-vocab": (lambda h, w, t: (h, w[:0], t, None, {}), ValueError, "vocabulary must not be empty"),
     "chunk-bytes": (lambda h, w, t: (h, w, t, None, {"chunk_bytes": 0}), ValueError, "chunk_bytes"),
+    "strategy": (lambda h, w, t: (h, w, t, None, {"strategy": "fast"}), ValueError, "strategy must be one of"),
+    "chunked-none": (lambda h, w, t: (h, w, t, None, {"strategy": "chunked", "reduction": "none"}), ValueError,
+                     'reduction="none"'),
+    "chunked-lse": (lambda h, w, t: (h, w, t, None, {"strategy": "chunked", "return_lse": True}), ValueError,
+                    "return_lse"),
+    "chunked-softcap-smoothing": (lambda h, w, t: (h, w, t, None, {"strategy": "chunked", "softcap": 5.0,
+                                                                   "label_smoothing": 0.1}),
+                                  ValueError, "softcap together with label_smoothing"),
     "ignore-index-float": (lambda h, w, t: (h, w, t, None, {"ignore_index": -100.0}), TypeError, "ignore_index"),
     "not-a-tensor": (lambda h, w, t: (h.tolist(), w, t, None, {}), TypeError, "hidden must be a torch.Tensor"),
 }
@@ -85,13 +93,14 @@ def test_nan_in_hidden_gives_nan_loss():
     assert math.isnan(fused_linear_cross_entropy(hidden, weight, targets).item())
 
 
+@pytest.mark.parametrize("strategy", ["auto", "recompute"])  # auto: the chunked path for mean / sum
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_empty_batch_behaves_like_cross_entropy(reduction):
+def test_empty_batch_behaves_like_cross_entropy(reduction, strategy):
     h = torch.randn(0, 40, device=DEVICE, requires_grad=True)
     w = torch.randn(100, 40, device=DEVICE, requires_grad=True)
     b = torch.randn(100, device=DEVICE, requires_grad=True)
     t = torch.zeros(0, dtype=torch.long, device=DEVICE)
-    loss = fused_linear_cross_entropy(h, w, t, b, reduction=reduction)
+    loss = fused_linear_cross_entropy(h, w, t, b, reduction=reduction, strategy=strategy)
     want = F.cross_entropy(h @ w.T + b, t, reduction=reduction)
     assert loss.shape == want.shape
     assert torch.equal(torch.isnan(loss), torch.isnan(want))

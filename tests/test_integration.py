@@ -3,6 +3,7 @@ a global token divisor, metric sums, CUDA graphs (GPU)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cases import Case, make_inputs
 from conftest import DEVICE, ON_GPU, rel_err
@@ -101,6 +102,29 @@ def test_num_items_in_batch_divides_the_summed_loss(as_tensor):
     torch.testing.assert_close(got, total / 37)
     with pytest.raises(ValueError, match="reduction='none'"):
         fused_linear_cross_entropy(hidden, weight, targets, reduction="none", num_items_in_batch=3)
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_num_items_in_batch_gradients_on_both_paths(strategy):
+    """The divisor is inside the op: the chunked path folds it into da before its one rounding, so a
+    count that is not a power of two costs no second rounding of the bf16 gradients."""
+    case = Case(40, 32, 300, torch.bfloat16, "sum", ignored=0.2)
+    hidden, weight, _, targets = make_inputs(case)
+    exact = [t.detach().double().requires_grad_(True) for t in (hidden, weight)]
+    (F.cross_entropy(exact[0] @ exact[1].T, targets, reduction="sum") / 37).backward()
+
+    def errors(folded):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+        if folded:
+            fused_linear_cross_entropy(*leaves, targets, num_items_in_batch=37, strategy=strategy).backward()
+        else:  # the division outside the op: an upstream gradient of 1/37
+            (fused_linear_cross_entropy(*leaves, targets, reduction="sum", strategy=strategy) / 37).backward()
+        return [rel_err(got.grad, want.grad) for got, want in zip(leaves, exact)]
+
+    folded = errors(True)
+    assert all(e < 4e-3 for e in folded), folded
+    if strategy == "chunked":  # CPU: 2.1e-3 / 2.1e-3 folded against 2.5e-3 / 2.7e-3 outside
+        assert all(f < o for f, o in zip(folded, errors(False))), (folded, errors(False))
 
 
 def test_metric_sums_add_up_across_shards():
