@@ -33,14 +33,14 @@ SHARDED_CASES = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _spawn(fn, world, *args):
-    port = _free_port()
+    port = free_port()
     mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
 
 
@@ -135,26 +135,32 @@ def test_unequal_shards_raise():
     _spawn(_unequal_worker, 2)
 
 
+def check_data_parallel_example(mode, device):
+    """Runs ``examples/data_parallel.py``'s step on this rank (the process group already up) and
+    checks the global loss and the full gradients against one process on the whole batch, with the
+    plain mean loss. Shared with the NCCL test (``test_parallel_nccl.py``)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("data_parallel_example", REPO / "examples" / "data_parallel.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    loss, grads = example.train_step(mode, device=device)
+    torch.manual_seed(0)
+    single = example.TinyLM().to(device)
+    ids, labels = (t.to(device) for t in example.batch(0))
+    ref = single(ids, labels, example.global_count(labels), 1)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+    for name, p in single.named_parameters():
+        assert rel_err(grads[name], p.grad) < 1e-5, name
+
+
 def _data_parallel_worker(rank, world, port, mode):
     _init(rank, world, port)
     try:
-        import importlib.util
-
-        from conftest import REPO
-
-        spec = importlib.util.spec_from_file_location("data_parallel_example", REPO / "examples" / "data_parallel.py")
-        example = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(example)
-        loss, grads = example.train_step(mode)
-        # One process, whole batch, plain mean loss: the reference.
-        torch.manual_seed(0)
-        single = example.TinyLM()
-        ids, labels = example.batch(0)
-        ref = single(ids, labels, example.global_count(labels), 1)
-        ref.backward()
-        assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
-        for name, p in single.named_parameters():
-            assert rel_err(grads[name], p.grad) < 1e-5, name
+        check_data_parallel_example(mode, torch.device("cpu"))
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -5,7 +5,6 @@ GPU; and the DDP / FSDP2 example against one process. The gloo versions of these
 in ``test_parallel.py``."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import rel_err
+from test_parallel import check_data_parallel_example, free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,15 +22,9 @@ pytestmark = [
 S1 = (8192, 4096, 128256)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on shared hosts
-    mp.spawn(fn, args=(2, _free_port(), *args), nprocs=2, join=True)
+    mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=True)
 
 
 def _init(rank, world, port):
@@ -109,23 +103,7 @@ def test_vocabulary_parallel_on_two_gpus_equals_one_gpu_at_s1(path):
 def _data_parallel_worker(rank, world, port, mode):
     _init(rank, world, port)
     try:
-        import importlib.util
-
-        from conftest import REPO
-
-        spec = importlib.util.spec_from_file_location("data_parallel_example", REPO / "examples" / "data_parallel.py")
-        example = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(example)
-        device = torch.device("cuda", rank)
-        loss, grads = example.train_step(mode, device=device)
-        torch.manual_seed(0)
-        single = example.TinyLM().to(device)
-        ids, labels = (t.to(device) for t in example.batch(0))
-        ref = single(ids, labels, example.global_count(labels), 1)
-        ref.backward()
-        assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
-        for name, p in single.named_parameters():
-            assert rel_err(grads[name], p.grad) < 1e-5, name
+        check_data_parallel_example(mode, torch.device("cuda", rank))
     finally:
         dist.destroy_process_group()
 
