@@ -20,11 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
 from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
 
+from tune import problem, rel  # noqa: E402 - the same inputs and error measure as tune.py
+
 MiB = 1 << 20
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main():
@@ -33,11 +31,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     n, h, v = args.shape
-    torch.manual_seed(0)
     dev = "cuda"
-    hidden = (torch.randn(n, h, device=dev) * 0.5).bfloat16()
-    weight = (torch.randn(v, h, device=dev) * (4.0 / h) ** 0.5).bfloat16()
-    targets = torch.randint(0, v, (n,), device=dev)
+    hidden, weight, targets = problem(n, h, v, dev)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_loss, count, ref_dx, ref_dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=2048)

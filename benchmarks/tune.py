@@ -24,17 +24,23 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def problem(n, h, v, dev="cuda"):
+    """bf16 hidden, weight and targets with logits of std ~2, seed 0 (shared with
+    ``experiment_chunked.py``)."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(n, h, device=dev) * 0.5).bfloat16()
+    weight = (torch.randn(v, h, device=dev) * (4.0 / h) ** 0.5).bfloat16()
+    targets = torch.randint(0, v, (n,), device=dev)
+    return hidden, weight, targets
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=3, default=[8192, 4096, 128256])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     n, h, v = args.shape
-    torch.manual_seed(0)
-    dev = "cuda"
-    hidden = (torch.randn(n, h, device=dev) * 0.5).bfloat16()
-    weight = (torch.randn(v, h, device=dev) * (4.0 / h) ** 0.5).bfloat16()
-    targets = torch.randint(0, v, (n,), device=dev)
+    hidden, weight, targets = problem(n, h, v)
 
     # Reference: fp32 logits from the bf16 inputs, chunked.
     ref_loss, count, ref_dx, ref_dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=2048)

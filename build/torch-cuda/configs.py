@@ -114,8 +114,7 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
     or whole columns of the batch in vocabulary chunks, whichever needs the smaller fp32
     accumulator (V x H for token chunks, N x H for vocabulary chunks). fp32 inputs accumulate in
     their own gradients and need neither."""
-    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    elems = max(1, budget // dtype.itemsize)
+    elems = max(1, chunk_budget(chunk_bytes) // dtype.itemsize)
     fp16ish = dtype != torch.float32
     if n * v <= elems:
         return BackwardPlan(n, v, False, False)
@@ -128,12 +127,16 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
     return min((vocab, token), key=lambda p: p.extra_bytes(n, v, h, itemsize))
 
 
+def chunk_budget(chunk_bytes: int | None) -> int:
+    """The memory knob's value in bytes: ``chunk_bytes``, or DEFAULT_CHUNK_BYTES when None."""
+    return DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+
+
 def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, block_n: int) -> int:
     """Rows per chunk of the chunked path: as many whole vocabulary rows of the (R, V) buffer (the
     input dtype) as ``chunk_bytes`` holds, in whole row blocks, at least one row block; all N when
     they fit."""
-    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    rows = budget // max(1, v * dtype.itemsize)
+    rows = chunk_budget(chunk_bytes) // max(1, v * dtype.itemsize)
     if rows >= n:
         return max(n, 1)
     return max(block_n, rows // block_n * block_n)

@@ -35,8 +35,7 @@ def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs) -> bool:
         return False
     if opts.strategy == "chunked":
         return True
-    budget = configs.DEFAULT_CHUNK_BYTES if opts.chunk_bytes is None else opts.chunk_bytes
-    return chunked_unsupported(opts) is None and n * v * dtype.itemsize <= budget
+    return chunked_unsupported(opts) is None and n * v * dtype.itemsize <= configs.chunk_budget(opts.chunk_bytes)
 
 
 def _product(a, b, out, accumulate, unscale):

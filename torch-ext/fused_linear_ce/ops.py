@@ -119,8 +119,8 @@ def _setup_context(ctx, inputs, output):
     o = ctx.options
     opts = _options(o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["return_metrics"],
                     o["label_smoothing"], o["z_loss"], o["return_lse"], o["chunk_bytes"], o["strategy"])
-    ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype,
-                              (o["need_dx"], o["need_dw"], o["need_db"]))
+    ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])  # what the forward op was told
+    ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, ctx.computed)
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
@@ -154,8 +154,8 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
     need_dx, need_dw, need_db = ctx.needs
     o = ctx.options
     if ctx.chunked:
-        missing = [k for k, need in zip(("hidden", "weight", "bias"), ctx.needs)
-                   if need and not o["need_" + {"hidden": "dx", "weight": "dw", "bias": "db"}[k]]]
+        missing = [name for name, need, computed in zip(("hidden", "weight", "bias"), ctx.needs, ctx.computed)
+                   if need and not computed]
         if missing:
             raise RuntimeError(f"fused_linear_cross_entropy: {missing} did not require grad when the loss was "
                                "computed, so the chunked path computed no gradient for them")
