@@ -11,7 +11,7 @@ tile also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its ch
 import triton
 import triton.language as tl
 
-from .logits import grouped_tile, logit_tile, round_to
+from .logits import grouped_tile, logit_tile, round_to, stored_logit_tile
 
 # Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
 # STAT_WZ is sum_v w[v] z[v] (w = class weights, or 1), which label smoothing needs.
@@ -30,6 +30,8 @@ def lse_sweep_kernel(
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
     e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
     stride_e,
+    product_ptr,  # (N, V) fp32 in when FROM_PRODUCT: hidden @ weight^T, computed outside
+    stride_p,
     N,
     V,
     H,
@@ -58,6 +60,7 @@ def lse_sweep_kernel(
     STORE_E: tl.constexpr = False,
     EMULATE_ROUNDING: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
+    FROM_PRODUCT: tl.constexpr = False,
 ):
     """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
 
@@ -94,11 +97,15 @@ def lse_sweep_kernel(
             offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
             mask_v = offs_v < V
             cols = tl.where(mask_v, offs_v, 0)
-            z = logit_tile(
-                hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
-                stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
-                HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
-            )
+            if FROM_PRODUCT:
+                z = stored_logit_tile(product_ptr, stride_p, bias_ptr, rows, offs_v, mask_v, cols, stride_b,
+                                      logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+            else:
+                z = logit_tile(
+                    hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
+                    stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
+                    HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
+                )
             z = tl.where(mask_v[None, :], z, float("-inf"))
             tile_max = tl.max(z, axis=1)
             m_new = tl.maximum(m, tile_max)
@@ -164,32 +171,49 @@ def combine_kernel(
     METRICS: tl.constexpr,
     SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
 ):
-    """Merges the SPLIT partial statistics of each row. Grid (cdiv(N, BLOCK),), fp32."""
+    """Merges the SPLIT partial statistics of each row. Grid (cdiv(N, BLOCK),), fp32.
+
+    Each step loads a (SPLIT_BLOCK, BLOCK) tile of splits x rows and reduces over the splits, so a
+    sweep with thousands of splits (the chunked path's one tile a split) takes few dependent loads.
+    The argmax keeps the first split on ties (splits are in vocabulary order), as torch.argmax; a
+    NaN partial max never wins."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    split = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
     m_all = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for i in range(0, SPLIT):
-        m_all = tl.maximum(m_all, tl.load(stats_ptr + i * N + offs, mask=mask, other=0.0))
+    for s0 in range(0, SPLIT, SPLIT_BLOCK):
+        sp = s0 + split
+        tile = (sp < SPLIT)[:, None] & mask[None, :]
+        m_i = tl.load(stats_ptr + sp[:, None] * N + offs[None, :], mask=tile, other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(m_i, axis=0))
+    m_all = tl.where(mask, m_all, 0.0)
     s_all = tl.zeros((BLOCK,), tl.float32)
     z_target = tl.zeros((BLOCK,), tl.float32)
     pz_all = tl.zeros((BLOCK,), tl.float32)
     wz_all = tl.zeros((BLOCK,), tl.float32)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
-    for i in range(0, SPLIT):
-        p = stats_ptr + i * N + offs
-        scale = tl.exp(tl.load(p, mask=mask, other=0.0) - m_all)
-        s_all += tl.load(p + 1 * plane, mask=mask, other=0.0) * scale
-        z_target += tl.load(p + 2 * plane, mask=mask, other=0.0)
+    for s0 in range(0, SPLIT, SPLIT_BLOCK):
+        sp = s0 + split
+        tile = (sp < SPLIT)[:, None] & mask[None, :]
+        p = stats_ptr + sp[:, None] * N + offs[None, :]
+        scale = tl.exp(tl.load(p, mask=tile, other=float("-inf")) - m_all[None, :])
+        s_all += tl.sum(tl.load(p + 1 * plane, mask=tile, other=0.0) * scale, axis=0)
+        z_target += tl.sum(tl.load(p + 2 * plane, mask=tile, other=0.0), axis=0)
         if METRICS:
-            pz_all += tl.load(p + 3 * plane, mask=mask, other=0.0) * scale
-            b = tl.load(p + 4 * plane, mask=mask, other=0.0)
-            better = b > best
-            best = tl.where(better, b, best)
-            best_idx = tl.where(better, tl.load(argmax_ptr + i * N + offs, mask=mask, other=0), best_idx)
+            pz_all += tl.sum(tl.load(p + 3 * plane, mask=tile, other=0.0) * scale, axis=0)
+            b = tl.load(p + 4 * plane, mask=tile, other=float("-inf"))
+            b = tl.where(b == b, b, float("-inf"))
+            step_best = tl.max(b, axis=0)
+            idx = tl.load(argmax_ptr + sp[:, None] * N + offs[None, :], mask=tile, other=0)
+            step_idx = tl.min(tl.where(b == step_best[None, :], idx, 2147483647), axis=0)
+            better = step_best > best
+            best = tl.where(better, step_best, best)
+            best_idx = tl.where(better, step_idx, best_idx)
         if SMOOTHING:
-            wz_all += tl.load(p + 5 * plane, mask=mask, other=0.0)
+            wz_all += tl.sum(tl.load(p + 5 * plane, mask=tile, other=0.0), axis=0)
     log_sum = tl.log(s_all)
     lse = m_all + log_sum
     target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)

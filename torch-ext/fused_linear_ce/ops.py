@@ -47,7 +47,7 @@ def forward(
     if chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs):
         stats, *grads = chunked.forward(hidden, weight, targets, bias, class_weight, opts, *needs, shard, divisor)
     else:
-        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard, evaluation=not any(needs))
     grads = [g if g is not None else hidden.new_empty((0,)) for g in grads]  # distinct outputs
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)
@@ -134,13 +134,13 @@ def scale_gradients(
     hidden_dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked path's backward: the gradients computed in the forward for an upstream gradient
-    of 1 (``chunked.unit_dtype``), times the real one, in the leaves' dtypes. bf16 * an fp32 0-d
-    tensor stays bf16 and is computed in fp32 (one rounding, no fp32 copy of the gradient); exact
+    of 1 (``chunked.unit_dtype``), times the real one, in the leaves' dtypes, computed in fp32 with
+    one rounding (``launch.scale``, no fp32 copy of the gradient); exact
     when the upstream gradient is a power of two, as 1 is. An op without an autograd formula, like
     ``backward``: differentiating it again raises."""
     g = grad_loss.to(torch.float32)
-    return tuple((t * g).to(d) for t, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype),
-                                           (grad_bias, bias_dtype)))
+    return tuple(launch.scale(t, g, d) for t, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype),
+                                                   (grad_bias, bias_dtype)))
 
 
 @scale_gradients.register_fake
