@@ -65,3 +65,28 @@ def test_metrics_of_an_all_ignored_batch_are_nan():
     hidden, weight, bias, targets = make_inputs(case)
     _, m = fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)
     assert math.isnan(m["mean_token_accuracy"].item()) and math.isnan(m["entropy"].item())
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_argmax_ties_across_many_splits_take_the_first_class(strategy):
+    """The merge reduces tiles of splits at once (``combine_kernel``): with the chunked path's one
+    vocabulary tile a split there are more splits than one step holds. Classes 5, 3000 and
+    V - 1 have the same weight row, so each row's largest logit is tied between three splits far
+    apart; the first class must win, as torch.argmax, and the loss and entropy must match the
+    reference."""
+    n, h, v = 24, 32, 40 * 256 + 17
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    # Small dyadic values: every product and sum is exact, so the three logits tie exactly.
+    weight = torch.randint(-1, 2, (v, h), generator=g, device=DEVICE).float() / 8
+    weight[3000] = weight[v - 1] = weight[5] = torch.randint(-2, 3, (h,), generator=g, device=DEVICE).float() / 2
+    hidden = weight[5] * 2 + torch.randint(-1, 2, (n, h), generator=g, device=DEVICE).float() / 4
+    targets = torch.randint(0, v, (n,), generator=g, device=DEVICE)
+    targets[::2] = 5  # 12 rows: right only if the first tied class wins
+    targets[1::4] = 3000  # 6 rows: right only if the middle one wins
+    hidden.requires_grad_(True)
+    loss, got = fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True, strategy=strategy)
+    want_loss, want = reference.linear_cross_entropy(hidden.detach(), weight, targets, return_metrics=True)
+    assert got["mean_token_accuracy"].item() == pytest.approx(want["mean_token_accuracy"].item(), abs=1e-6)
+    assert got["mean_token_accuracy"].item() == pytest.approx((targets == 5).float().mean().item(), abs=1e-6)
+    assert rel_err(loss.detach(), want_loss) < 1e-5
+    assert rel_err(got["entropy"], want["entropy"]) < 1e-5

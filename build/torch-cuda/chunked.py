@@ -48,30 +48,9 @@ def _product(a, b, out, accumulate, unscale):
         launch.matmul(a, b, out, accumulate, unscale)
 
 
-def _mm(a, b, out):
-    """out = a @ b (torch.mm: cuBLAS on a GPU, fp32 accumulation, one rounding to out's dtype)."""
-    torch.mm(a, b, out=out)
-
-
-def _staging(grad_weight, dw_acc, n_chunks, rows, v, dtype, device):
-    """(fp32 staging, rows per piece): where the logits' fp32 product goes when cuBLAS computes it
-    (``configs.product_sweep``), and how many rows of it fit; (None, rows) for the in-kernel product.
-
-    The staging is grad_weight's own memory, free until the last product writes it: bf16 only
-    (fp16's per-chunk gradient scale needs one piece a chunk), and only while grad_weight is not
-    itself the fp32 accumulator across chunks. A piece is at least ``configs.min_product_rows``
-    rows (fewer would re-read the whole weight too often)."""
-    if grad_weight is None or not configs.product_sweep(dtype, device):
-        return None, rows
-    if n_chunks > 1 and dw_acc is grad_weight:
-        return None, rows
-    floats = grad_weight.numel() * grad_weight.element_size() // 4
-    block = configs.sweep_config(dtype, chunked=True, product=True).block_n
-    piece = min(rows, floats // v // block * block)
-    if piece < min(rows, configs.min_product_rows()):
-        return None, rows
-    flat = grad_weight.view(-1)
-    return flat[: floats * 4 // flat.element_size()].view(torch.float32), piece
+def _mm(a, b):
+    """a @ b as a new tensor (torch.mm: cuBLAS on a GPU, fp32 accumulation)."""
+    return torch.mm(a, b)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -110,70 +89,61 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if need_dx and shard is not None and out_dtype != torch.float32:
         dx_acc = _new((n, h), torch.float32, device)  # summed over ranks in fp32
     grad_weight = dw_acc = None
+    # One chunk in the input dtype: grad_weight is torch.mm's own result (an out= of another layout
+    # can cost torch a temporary of the output's size), allocated when the product runs.
     direct_dw = need_dw and n_chunks == 1 and out_dtype == dtype
-    if need_dw:
+    if need_dw and not direct_dw:
         grad_weight = _new((v, h), out_dtype, device)
         dw_acc = _new((v, h), torch.float32, device) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
-    staging, piece = _staging(grad_weight, dw_acc, n_chunks, rows, v, dtype, device)
-    if staging is not None:
-        cfg = configs.sweep_config(dtype, chunked=True, product=True)
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
     # subnormal, an absolute error under 3e-8 of the tile's largest entry).
     buffer = _new((rows, v), dtype, device)
-    dbias = _new((triton.cdiv(piece, cfg.block_n), v), torch.float32, device) if need_db else None
+    n_row_blocks = triton.cdiv(rows, cfg.block_n)
+    dbias = _new((n_row_blocks, v), torch.float32, device) if need_db else None
     parts = []
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
-        chunk_unscale = None
-        # Pieces of the chunk: as many rows as the staging holds of the fp32 product, or all.
-        for p0 in range(row0, row0 + r, piece):
-            pr = min(piece, row0 + r - p0)
-            sl = slice(p0, p0 + pr)
-            e = buffer[p0 - row0 : p0 - row0 + pr]
-            product = None
-            if staging is not None:
-                product = staging[: pr * v].view(pr, v)
-                launch.logit_product(hidden[sl], weight, product)
-            stats, tile_stats = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e,
-                                             product)
-            parts.append(stats)
-            coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, p0, p0 + pr),
-                                           opts)
-            if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
-                scale, inverse = launch.fp16_gradient_scale(coef, class_weight, opts.logit_scale)
-                coef = coef * scale
-                chunk_unscale = unscale * inverse  # one piece a chunk for fp16 (``_staging``)
-            else:  # the common factor goes into da's fp32 value before its one rounding
-                coef = coef * common
-            softmax_gradient_kernel[(triton.cdiv(pr, cfg.block_n), triton.cdiv(v, cfg.block_v))](
-                e, e, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
-                class_weight if class_weight is not None else coef, dbias if need_db else coef,
-                0, pr, v, pr, e.stride(0), e.stride(0), targets.stride(0), float(opts.logit_scale),
-                float(opts.softcap) if opts.softcap is not None else 1.0, shard.offset if shard is not None else 0,
-                HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
-                HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=need_db,
-                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, EMULATE_ROUNDING=configs.interpreted(),
-                num_warps=8 if not configs.interpreted() else 1,
-            )
-            if need_db:
-                block_sum = dbias[: triton.cdiv(pr, cfg.block_n)].sum(0)
-                db_acc += block_sum if chunk_unscale is None else block_sum * chunk_unscale
-        da = buffer[:r]  # the chunk's gradient, in place of e
         sl = slice(row0, row0 + r)
+        e = buffer[:r]
+        stats, tile_stats = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e)
+        parts.append(stats)
+        coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
+                                       opts)
+        if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
+            scale, inverse = launch.fp16_gradient_scale(coef, class_weight, opts.logit_scale)
+            coef = coef * scale
+            chunk_unscale = unscale * inverse
+        else:  # the common factor goes into da's fp32 value before its one rounding
+            coef = coef * common
+            chunk_unscale = None
+        da = e  # in place
+        softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
+            e, da, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
+            class_weight if class_weight is not None else coef, dbias if need_db else coef,
+            0, r, v, r, e.stride(0), da.stride(0), targets.stride(0), float(opts.logit_scale),
+            float(opts.softcap) if opts.softcap is not None else 1.0, shard.offset if shard is not None else 0,
+            HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
+            HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=need_db,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, EMULATE_ROUNDING=configs.interpreted(),
+            num_warps=8 if not configs.interpreted() else 1,
+        )
         if need_dx:
             _product(da, weight, dx_acc[sl], False, chunk_unscale)
         if direct_dw:
-            _mm(da.t(), hidden[sl], grad_weight)
+            grad_weight = _mm(da.t(), hidden[sl])
         elif need_dw:
             _product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
+        if need_db:
+            block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
+            db_acc += block_sum if chunk_unscale is None else block_sum * chunk_unscale
 
     if need_dx and shard is not None:
         parallel.all_reduce(dx_acc, shard)
         if dx_acc is not grad_hidden:
             grad_hidden.copy_(dx_acc)
-    if need_dw and dw_acc is not grad_weight:
+    if need_dw and not direct_dw and dw_acc is not grad_weight:
         grad_weight.copy_(dw_acc)
     grad_bias = db_acc if need_db else None  # (V,) fp32: cheap, and rounded once, in the backward
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias

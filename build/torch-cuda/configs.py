@@ -52,8 +52,6 @@ _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_
 # shares fewer rows and weight tiles): 256 x 128 tiles, groups of 16 (H200, S1: 42.0-43.4 ms
 # fwd+bwd against 47.3 with 128 x 256 tiles in the 2-D grid; benchmarks/NOTES.md).
 _GPU_CHUNKED_SWEEP = TileConfig(block_n=256, block_v=128, block_h=64, group_m=16, num_warps=8, num_stages=3)
-# The sweep over a stored fp32 product (no tl.dot: memory-bound; block_h unused).
-_GPU_PRODUCT_SWEEP = TileConfig(block_n=64, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=1)
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
 
@@ -65,13 +63,11 @@ _CPU_SPLITS = 3
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 
-def sweep_config(dtype: torch.dtype, *, chunked: bool = False, product: bool = False) -> TileConfig:
+def sweep_config(dtype: torch.dtype, *, chunked: bool = False) -> TileConfig:
     """The sweep's tiles; ``chunked``: the chunked path's (its in-place gradient kernel uses the
-    same tiles, one tile max per row of each); ``product``: the sweep reads a stored fp32 product."""
+    same tiles, one tile max per row of each)."""
     if interpreted():
         return _CPU_SWEEP
-    if product:
-        return _GPU_PRODUCT_SWEEP
     if dtype == torch.float32:
         return _GPU_SWEEP_FP32
     return _GPU_CHUNKED_SWEEP if chunked else _GPU_SWEEP
@@ -144,31 +140,6 @@ def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, bloc
     if rows >= n:
         return max(n, 1)
     return max(block_n, rows // block_n * block_n)
-
-
-# Whether the chunked path's logit product goes to cuBLAS (fp32 output) when it can (``product_sweep``).
-PRODUCT_SWEEP = True
-
-
-def product_sweep(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the chunked path computes the logits' product with ``launch.logit_product`` (an fp32
-    result in memory, then a memory-bound sweep) rather than inside the sweep: bf16 only (fp16's
-    gradient scale is per chunk; fp32 was not measured). On CPU too, so the tests cover it."""
-    return PRODUCT_SWEEP and dtype == torch.bfloat16
-
-
-def product_rows(n: int, v: int, chunk_bytes: int | None) -> int:
-    """Rows per piece of the evaluation forward's fp32 product: as many as ``chunk_bytes`` holds,
-    in multiples of 128 on a GPU (all N when they fit)."""
-    rows = chunk_budget(chunk_bytes) // max(1, 4 * v)
-    if rows >= n:
-        return n
-    return rows if interpreted() else rows // 128 * 128
-
-
-def min_product_rows() -> int:
-    """The fewest rows per piece of the stored product: each piece reads the whole weight once."""
-    return 1 if interpreted() else 256
 
 
 def fp_fusion(dtype: torch.dtype) -> bool:

@@ -76,46 +76,18 @@ class RowStats:
         return (self.lse2[0] - self.z_target) + self.lse2[1]
 
 
-def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, evaluation=False) -> RowStats:
+def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=None) -> RowStats:
     """The vocabulary sweep: per-row log-sum-exp, target logit and optional sums, O(N) memory.
-    With a vocabulary ``shard`` (parallel.Shard) the statistics are merged across its group.
-
-    ``evaluation`` (no gradient will be asked for): where ``configs.product_sweep`` allows, the
-    logits' product goes to cuBLAS in pieces of rows whose fp32 result fits in the memory knob
-    (``chunk_bytes``), each followed by the sweep over the stored product; the recompute backward
-    never follows it, so its summation order need not match the backward's."""
-    n, v = hidden.shape[0], weight.shape[0]
-    rows = configs.product_rows(n, v, opts.chunk_bytes) if evaluation else 0
-    if n == 0 or not configs.product_sweep(hidden.dtype, hidden.device) or rows < min(n, configs.min_product_rows()):
-        return sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
-    product = _new((rows, v), torch.float32, hidden.device)
-    parts = []
-    for row0 in range(0, n, rows):
-        sl = slice(row0, min(n, row0 + rows))
-        piece = product[: sl.stop - row0]
-        logit_product(hidden[sl], weight, piece)
-        parts.append(sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, product=piece)[0])
-    return RowStats.cat(parts)
+    With a vocabulary ``shard`` (parallel.Shard) the statistics are merged across its group."""
+    return sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
 
 
-def logit_product(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out = hidden @ weight^T into the fp32 (R, V) ``out``, fp32 accumulation, never rounded to the
-    input dtype: cuBLAS on a GPU (``torch.mm`` with ``out_dtype``); elsewhere an fp32 product of the
-    upcast operands (products of bf16/fp16 values are exact in fp32, so this is the GPU's result up
-    to the order of the fp32 sums)."""
-    if hidden.device.type == "cuda":
-        torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
-    else:
-        torch.mm(hidden.float(), weight.float().t(), out=out)
-
-
-def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None, product=None):
+def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None):
     """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
     exp(z - m_tile) there (the chunked path); plane 0 of the per-split statistics, (T, N), is then
-    each tile's row max. With ``product`` (fp32 (N, V), ``logit_product``) the kernel reads the
-    logits' product from there instead of computing it (memory-bound)."""
+    each tile's row max."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
@@ -132,7 +104,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     if n == 0:
         return stats_out, None
 
-    cfg = configs.sweep_config(hidden.dtype, chunked=e_out is not None, product=product is not None)
+    cfg = configs.sweep_config(hidden.dtype, chunked=e_out is not None)
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
@@ -153,7 +125,6 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     lse_sweep_kernel[grid](
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
-        product if product is not None else stats, product.stride(0) if product is not None else 0,
         n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset,
@@ -161,7 +132,6 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         STORE_E=e_out is not None, EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
-        FROM_PRODUCT=product is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **logit_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](

@@ -105,35 +105,6 @@ def logit_tile(
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
-    return finish_logits(acc, bias_ptr, cols, stride_b, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
-
-
-@triton.jit
-def stored_logit_tile(
-    product_ptr,  # (R, V) fp32: hidden @ weight^T of the rows, computed outside (cuBLAS), never rounded
-    stride_p,
-    bias_ptr,
-    rows,  # (BLOCK_N,) int64, clamped into [0, R)
-    offs_v,  # (BLOCK_V,) int64 class indices, contiguous, not clamped
-    mask_v,  # offs_v < V
-    cols,  # offs_v clamped into [0, V)
-    stride_b,
-    logit_scale,
-    softcap,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """``logit_tile`` from an fp32 product already in memory: the same z, the same roundings (the
-    product differs from the in-kernel one only in its summation order). The load takes the
-    unclamped, masked columns: a clamp would hide their contiguity and cost the vector loads."""
-    acc = tl.load(product_ptr + rows[:, None] * stride_p + offs_v[None, :], mask=mask_v[None, :], other=0.0)
-    return finish_logits(acc, bias_ptr, cols, stride_b, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
-
-
-@triton.jit
-def finish_logits(acc, bias_ptr, cols, stride_b, logit_scale, softcap, HAS_BIAS: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr):
-    """z from the fp32 product a: (a + bias) * logit_scale, then the softcap."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_b).to(tl.float32)[None, :]
     acc = acc * logit_scale

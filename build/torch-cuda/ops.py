@@ -47,7 +47,7 @@ def forward(
     if chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs):
         stats, *grads = chunked.forward(hidden, weight, targets, bias, class_weight, opts, *needs, shard, divisor)
     else:
-        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard, evaluation=not any(needs))
+        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
     grads = [g if g is not None else hidden.new_empty((0,)) for g in grads]  # distinct outputs
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)

@@ -11,7 +11,7 @@ tile also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its ch
 import triton
 import triton.language as tl
 
-from .logits import grouped_tile, logit_tile, round_to, stored_logit_tile
+from .logits import grouped_tile, logit_tile, round_to
 
 # Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
 # STAT_WZ is sum_v w[v] z[v] (w = class weights, or 1), which label smoothing needs.
@@ -30,8 +30,6 @@ def lse_sweep_kernel(
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
     e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
     stride_e,
-    product_ptr,  # (N, V) fp32 in when FROM_PRODUCT: hidden @ weight^T, computed outside
-    stride_p,
     N,
     V,
     H,
@@ -60,7 +58,6 @@ def lse_sweep_kernel(
     STORE_E: tl.constexpr = False,
     EMULATE_ROUNDING: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
-    FROM_PRODUCT: tl.constexpr = False,
 ):
     """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
 
@@ -97,15 +94,11 @@ def lse_sweep_kernel(
             offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
             mask_v = offs_v < V
             cols = tl.where(mask_v, offs_v, 0)
-            if FROM_PRODUCT:
-                z = stored_logit_tile(product_ptr, stride_p, bias_ptr, rows, offs_v, mask_v, cols, stride_b,
-                                      logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
-            else:
-                z = logit_tile(
-                    hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
-                    stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
-                    HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
-                )
+            z = logit_tile(
+                hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
+                stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
+                HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
+            )
             z = tl.where(mask_v[None, :], z, float("-inf"))
             tile_max = tl.max(z, axis=1)
             m_new = tl.maximum(m, tile_max)
