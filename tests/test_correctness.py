@@ -40,9 +40,12 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "mean", grad=("bias",), bias=True),
         Case(77, 96, 500, dtype, "none", ignore_index=3, ignored=0.2),
     ]
-# The backward's blocking: whole plane, token chunks (V x H accumulator), vocabulary chunks (N x H).
+# The backward's blocking (configs.plan_passes; CPU tiles 16 x 256): whole plane; token chunks with
+# the V x H accumulator (16-bit: the fallback when no vocabulary block of all rows fits); vocabulary
+# chunks (16-bit: two passes, no accumulator; fp32: one pass); one pass of vocabulary chunks with the
+# N x H accumulator in half the budget (72000 bytes, 16-bit); the smallest blocks.
 for dtype in DTYPES:
-    for chunk in (None, 16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 1):
+    for chunk in (None, 16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 72000, 1):
         CASES.append(Case(77, 96, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=chunk))
 if ON_GPU:  # sizes that fill the GPU's tiles several times over; too slow for the interpreter
     for dtype in DTYPES:

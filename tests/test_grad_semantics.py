@@ -79,6 +79,13 @@ def spies(monkeypatch):
         return real_matmul(a, b, c, *args, **kwargs)
 
     monkeypatch.setattr(launch, "matmul", matmul)
+    real_rows_product = launch._rows_product
+
+    def rows_product(da, weight, out, unscale):  # the two-pass plan's grad_hidden product
+        products.append(weight.untyped_storage().data_ptr())
+        return real_rows_product(da, weight, out, unscale)
+
+    monkeypatch.setattr(launch, "_rows_product", rows_product)
     real_product = chunked._product
 
     def product(a, b, out, *args):  # the chunked path's products (torch.mm or launch.matmul)

@@ -36,3 +36,46 @@ def test_llama_shape_default_picks_vocabulary_chunks_within_budget():
 def test_fp32_inputs_need_no_accumulator():
     plan = configs.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V)
     assert plan.extra_bytes(77, 500, 96, 4) == plan.rows * plan.cols * 4
+
+
+def _passes(n, h, v, budget, needs=(True, True), dtype=torch.bfloat16, block_n=128, block_v=256):
+    return configs.plan_passes(n, v, h, dtype, budget, block_n, block_v, *needs)
+
+
+@pytest.mark.parametrize("n", [8192, 16384, 65536, 262144])
+def test_extra_memory_stays_within_the_budget_at_any_n(n):
+    """The recompute backward's da blocks and fp32 accumulators never pass ``chunk_bytes``: the
+    default's memory is flat in N (issue 8, target 4)."""
+    h, v = 4096, 128256
+    budget = configs.DEFAULT_CHUNK_BYTES
+    passes = _passes(n, h, v, None)
+    assert max(p.extra_bytes(n, v, h, 2) for p in passes) <= budget
+    assert any(p.rows_grads for p in passes) and any(p.weight_grad for p in passes)
+
+
+def test_llama_shape_keeps_one_pass_with_the_token_accumulator_in_half_the_budget():
+    n, h, v = 8192, 4096, 128256  # N x H fp32 = 128 MiB = half the default budget
+    (plan,) = _passes(n, h, v, None)
+    assert (plan.rows, plan.dx_accumulator, plan.dw_accumulator) == (n, True, False)
+    assert plan.rows * plan.cols * 2 <= configs.DEFAULT_CHUNK_BYTES - n * h * 4
+
+
+def test_long_context_takes_two_passes_without_accumulators():
+    n, h, v = 65536, 4096, 128256  # N x H fp32 = 1 GiB: more than half the budget
+    rows_pass, dw_pass = _passes(n, h, v, None)
+    assert (rows_pass.rows_grads, rows_pass.weight_grad, rows_pass.cols) == (True, False, v)
+    assert (dw_pass.rows_grads, dw_pass.weight_grad, dw_pass.rows) == (False, True, n)
+    assert not (rows_pass.dx_accumulator or rows_pass.dw_accumulator or dw_pass.dx_accumulator or dw_pass.dw_accumulator)
+
+
+def test_one_gradient_family_needs_one_pass_without_accumulator():
+    n, h, v = 65536, 4096, 128256
+    (only_rows,) = _passes(n, h, v, None, needs=(True, False))
+    assert only_rows.cols == v and only_rows.rows_grads and not only_rows.dx_accumulator
+    (only_weight,) = _passes(n, h, v, None, needs=(False, True))
+    assert only_weight.rows == n and only_weight.weight_grad and not only_weight.dw_accumulator
+
+
+def test_fp32_passes_are_the_one_pass_plan():
+    assert _passes(77, 96, 500, 16 * 500 * 4, dtype=torch.float32, block_n=BLOCK_N) == (
+        configs.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V),)

@@ -26,7 +26,8 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "none", label_smoothing=1.0, class_weight=True),
         Case(77, 96, 500, dtype, "mean", ignored=1.0, label_smoothing=0.1, class_weight=True),
     ]
-    for chunk in (16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize):  # token / vocabulary blocks
+    # token blocks (+ V x H accumulator) / two passes (fp32: vocabulary blocks) / one pass with N x H
+    for chunk in (16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 72000):
         CASES.append(Case(77, 96, 500, dtype, "sum", ignored=0.2, label_smoothing=0.1, class_weight=True,
                           z_loss=1e-3, bias=True, chunk_bytes=chunk))
 

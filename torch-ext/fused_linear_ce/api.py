@@ -88,12 +88,14 @@ def fused_linear_cross_entropy(
             in group order; ``targets`` are global ids. Every rank gets the loss, metrics and lse of
             the whole vocabulary and the full ``hidden`` gradient (already all-reduced: do not reduce
             it again), and its own shard's weight and bias gradients. See ``parallel.py``.
-        chunk_bytes: the memory knob: the most bytes the backward's gradient-of-logits block may
-            take (default 256 MiB). The backward walks the (N, V) plane in blocks of whole
-            vocabulary rows or whole batch columns, whichever needs the smaller fp32 accumulator
-            (V x H or N x H; none for fp32 inputs or when the whole plane fits). Larger blocks mean
-            fewer, larger products; see the README for measured time against memory. On the
-            chunked path it bounds the buffer of one chunk of rows instead.
+        chunk_bytes: the memory knob (default 256 MiB). On the recompute path, the most bytes the
+            backward's gradient-of-logits blocks and fp32 accumulators take together, at any N: it
+            walks the (N, V) plane in blocks of whole vocabulary rows or whole batch columns, in one
+            pass when an fp32 accumulator (N x H or V x H) fits in half the budget, else in two
+            passes without one (grad_hidden, then grad_weight: the logits are recomputed once more).
+            fp32 inputs accumulate in their own gradients. On the chunked path it bounds the buffer
+            of one chunk of rows instead. Larger means fewer, larger products; see the README for
+            measured time against memory.
         strategy: how the gradients are computed. "recompute": the forward keeps only the per-row
             lse; the backward recomputes the logits block by block (4 products in all, memory set
             by ``chunk_bytes``). "chunked": the forward computes the gradients too, chunk of rows by

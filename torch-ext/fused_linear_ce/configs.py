@@ -101,10 +101,13 @@ class BackwardPlan:
     cols: int
     dx_accumulator: bool  # grad_hidden summed over column blocks in an fp32 (N, H) buffer
     dw_accumulator: bool  # grad_weight summed over row blocks in an fp32 (V, H) buffer
+    rows_grads: bool = True  # this pass computes grad_hidden and grad_bias (when wanted)
+    weight_grad: bool = True  # this pass computes grad_weight (when wanted)
 
     def extra_bytes(self, n: int, v: int, h: int, itemsize: int) -> int:
+        """The da block, the fp32 accumulators, and a rows-only pass's fp32 (rows, H) product."""
         return self.rows * self.cols * itemsize + 4 * h * (
-            n * self.dx_accumulator + v * self.dw_accumulator
+            n * self.dx_accumulator + v * self.dw_accumulator + self.rows * (not self.weight_grad)
         )
 
 
@@ -125,6 +128,49 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
     vocab = BackwardPlan(n, vocab_cols, fp16ish, False)
     itemsize = dtype.itemsize
     return min((vocab, token), key=lambda p: p.extra_bytes(n, v, h, itemsize))
+
+
+def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw) -> tuple[BackwardPlan, ...]:
+    """The recompute backward's passes, so that its extra memory (da blocks and fp32 accumulators)
+    stays within ``chunk_bytes`` at any N. ``need_rows``: grad_hidden or grad_bias is wanted.
+
+    - The whole plane when it fits; fp32 inputs: ``plan_backward`` (no accumulator).
+    - Only grad_hidden/grad_bias: token blocks of whole vocabulary rows, each row's gradient
+      complete in one product. Only grad_weight: vocabulary blocks of all N rows, likewise.
+    - Both, in one pass, when an fp32 accumulator (N x H for vocabulary blocks, else V x H) takes
+      at most half the budget; the da block gets the rest.
+    - Otherwise two passes, each without an accumulator: token blocks for grad_hidden and
+      grad_bias, then vocabulary blocks for grad_weight. The logits are recomputed once more
+      (5 products instead of 4), and the memory stays flat in N.
+    """
+    budget = chunk_budget(chunk_bytes)
+    item = dtype.itemsize
+    elems = max(1, budget // item)
+    if n * v <= elems or dtype == torch.float32:
+        return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)
+
+    def token_rows(e):
+        return max(block_n, (e // v) // block_n * block_n)
+
+    def vocab_cols(e):
+        return (e // max(n, 1)) // block_v * block_v
+
+    rows_only = max(block_n, (budget // (v * item + 4 * h)) // block_n * block_n)  # da rows + their fp32 product
+    rows_pass = BackwardPlan(rows_only, v, False, False, True, False)
+    dw_pass = BackwardPlan(n, vocab_cols(elems), False, False, False, True) if vocab_cols(elems) >= block_v else None
+    if not need_dw:
+        return (rows_pass,)
+    if not need_rows and dw_pass is not None:
+        return (dw_pass,)
+    acc_x, acc_w = 4 * n * h, 4 * v * h
+    cols = vocab_cols(max(0, budget - acc_x) // item)
+    if acc_x <= budget // 2 and cols >= block_v:
+        return (BackwardPlan(n, cols, True, False),)
+    if acc_w <= budget // 2:
+        return (BackwardPlan(token_rows((budget - acc_w) // item), v, False, True),)
+    if dw_pass is not None:
+        return (rows_pass, dw_pass)
+    return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns
 
 
 def chunk_budget(chunk_bytes: int | None) -> int:

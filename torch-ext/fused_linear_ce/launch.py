@@ -164,10 +164,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     )
 
 
-def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """src * g in ``dtype``: fp32 arithmetic, one rounding (``gradient_kernels.scale_kernel``);
-    ``g`` a 0-d fp32 device tensor."""
-    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
+    """src * g in ``dtype`` (or into ``out``, contiguous rows): fp32 arithmetic, one rounding
+    (``gradient_kernels.scale_kernel``); ``g`` a 0-d or (1,) fp32 device tensor."""
+    if out is None:
+        out = torch.empty(src.shape, dtype=dtype, device=src.device)
     numel = src.numel()
     if numel:
         block = 4096 if not configs.interpreted() else 1 << 16
@@ -176,6 +177,19 @@ def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
             num_warps=8 if not configs.interpreted() else 1,
         )
     return out
+
+
+def _rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale) -> None:
+    """out = (da @ weight) [* unscale] for a block of whole vocabulary rows (the two-pass plan's
+    first pass): cuBLAS with an fp32 result (it splits the long V reduction across the GPU, which
+    a block of few rows needs), then one scaling kernel, one rounding. The fp32 (rows, H) result
+    is small next to the da block (H / V of it, times 2)."""
+    if da.device.type == "cuda":
+        product = torch.mm(da, weight, out_dtype=torch.float32)
+    else:
+        product = torch.mm(da.float(), weight.float())
+    one = torch.ones((1,), dtype=torch.float32, device=da.device)
+    scale(product, unscale if unscale is not None else one, out=out)
 
 
 def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
@@ -196,7 +210,8 @@ def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
 
 def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, need_dx, need_dw, need_db,
              shard=None, common=None):
-    """Recompute backward over blocks of the (N, V) plane (``configs.plan_backward``). Per block:
+    """Recompute backward over blocks of the (N, V) plane, in one or two passes
+    (``configs.plan_passes``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself.
@@ -209,9 +224,10 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     v = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
     cfg = configs.sweep_config(dtype)
-    plan = configs.plan_backward(n, v, h, dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v)
-    n_row_blocks = triton.cdiv(n, plan.rows) if n else 0
-    n_col_blocks = triton.cdiv(v, plan.cols)
+    passes = configs.plan_passes(n, v, h, dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
+                                 need_dw)
+    dx_pass = next(p for p in passes if p.rows_grads) if need_dx or need_db else None
+    dw_pass = next(p for p in passes if p.weight_grad) if need_dw else None
 
     def gradient(shape, summed_over_blocks):
         """The gradient tensor, and where the products accumulate into it (fp32)."""
@@ -222,9 +238,9 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
 
     grad_hidden = dx_acc = grad_weight = dw_acc = None
     if need_dx:
-        grad_hidden, dx_acc = gradient((n, h), n_col_blocks > 1 or shard is not None)
+        grad_hidden, dx_acc = gradient((n, h), triton.cdiv(v, dx_pass.cols) > 1 or shard is not None)
     if need_dw:
-        grad_weight, dw_acc = gradient((v, h), n_row_blocks > 1)
+        grad_weight, dw_acc = gradient((v, h), n > 0 and triton.cdiv(n, dw_pass.rows) > 1)
         if n == 0:
             dw_acc.zero_()
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
@@ -235,11 +251,12 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         coef = coef * scale
         unscale = inverse if unscale is None else unscale * inverse
 
-    if n > 0:
+    bias_arg, stride_b = _bias_args(bias, hidden)
+    softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+    for plan in passes if n > 0 else ():
+        p_dx, p_db, p_dw = need_dx and plan.rows_grads, need_db and plan.rows_grads, need_dw and plan.weight_grad
         dlogits = _new((plan.rows, plan.cols), dtype, device)
-        dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if need_db else coef
-        bias_arg, stride_b = _bias_args(bias, hidden)
-        softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+        dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if p_db else coef
         for row0 in range(0, n, plan.rows):
             r = min(plan.rows, n - row0)
             for col0 in range(0, v, plan.cols):
@@ -254,19 +271,22 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                     shard.offset if shard is not None else 0,
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
                     SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
-                    BIAS_GRAD=need_db,
+                    BIAS_GRAD=p_db,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
                     EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     **logit_flags(dtype),
                 )
                 da = dlogits[:r, :c]
-                if need_dx:
+                if p_dx and not plan.weight_grad:  # whole vocabulary rows: each row's gradient at once
+                    _rows_product(da, weight, dx_acc[row0 : row0 + r], unscale)
+                elif p_dx:
                     matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
-                if need_dw:
+                if p_dw:
                     matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
-            if need_db:
+            if p_db:
                 block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
                 db_acc += block_sum if unscale is None else block_sum * unscale
+        del dlogits, dbias, da  # the next pass's blocks take their place
 
     if need_dx and shard is not None:
         if n == 0:
