@@ -86,6 +86,13 @@ def spies(monkeypatch):
         return real_rows_product(da, weight, out, unscale)
 
     monkeypatch.setattr(launch, "_rows_product", rows_product)
+    real_accumulate = launch._accumulate
+
+    def accumulate(a, b, acc, first):  # 16-bit products summed over blocks in fp32 (cuBLAS)
+        products.append(b.untyped_storage().data_ptr())
+        return real_accumulate(a, b, acc, first)
+
+    monkeypatch.setattr(launch, "_accumulate", accumulate)
     real_product = chunked._product
 
     def product(a, b, out, *args):  # the chunked path's products (torch.mm or launch.matmul)

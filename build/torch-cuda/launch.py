@@ -179,6 +179,19 @@ def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, 
     return out
 
 
+def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
+    """acc (+)= a @ b into an fp32 accumulator (contiguous rows), fp32 accumulation, nothing
+    rounded to the input dtype: cuBLAS with an fp32 result on a GPU (``out_dtype``), an fp32
+    product of the upcast operands elsewhere (exact products, fp32 sums)."""
+    if a.device.type != "cuda":
+        a, b = a.float(), b.float()
+    kwargs = dict(out_dtype=torch.float32) if a.device.type == "cuda" else {}
+    if first:
+        torch.mm(a, b, out=acc, **kwargs)
+    else:
+        torch.addmm(acc, a, b, out=acc, **kwargs)
+
+
 def _rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale) -> None:
     """out = (da @ weight) [* unscale] for a block of whole vocabulary rows (the two-pass plan's
     first pass): cuBLAS with an fp32 result (it splits the long V reduction across the GPU, which
@@ -214,7 +227,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     (``configs.plan_passes``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
-    sums across blocks go through an fp32 buffer unless the gradient is fp32 itself.
+    sums across blocks go through an fp32 buffer unless the gradient is fp32 itself (16-bit: cuBLAS
+    products into it, the common factor applied in its one final rounding).
     ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
     shared by every row (losses.coefficients), applied to the products in fp32 rather than rounded
     into da. With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32
@@ -247,9 +261,14 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
 
     unscale = common.reshape(1).to(torch.float32) if common is not None else None
     if dtype == torch.float16 and n > 0:
-        scale, inverse = fp16_gradient_scale(coef, class_weight, opts.logit_scale)
-        coef = coef * scale
+        lift, inverse = fp16_gradient_scale(coef, class_weight, opts.logit_scale)
+        coef = coef * lift
         unscale = inverse if unscale is None else unscale * inverse
+
+    # 16-bit inputs: products summed over blocks go to cuBLAS into the fp32 accumulator, unscaled;
+    # the common factor is applied once, in the accumulator's final rounding (``scale``).
+    dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
+    dw_deferred = need_dw and dw_acc is not grad_weight
 
     bias_arg, stride_b = _bias_args(bias, hidden)
     softcap = float(opts.softcap) if opts.softcap is not None else 1.0
@@ -279,9 +298,13 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                 da = dlogits[:r, :c]
                 if p_dx and not plan.weight_grad:  # whole vocabulary rows: each row's gradient at once
                     _rows_product(da, weight, dx_acc[row0 : row0 + r], unscale)
+                elif p_dx and dx_deferred:
+                    _accumulate(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:
                     matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
-                if p_dw:
+                if p_dw and dw_deferred:
+                    _accumulate(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 == 0)
+                elif p_dw:
                     matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
             if p_db:
                 block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
@@ -292,9 +315,10 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         if n == 0:
             dx_acc.zero_()
         parallel.all_reduce(dx_acc, shard)
+    one = torch.ones((1,), dtype=torch.float32, device=device)
     if need_dx and dx_acc is not grad_hidden:
-        grad_hidden.copy_(dx_acc)
+        scale(dx_acc, unscale if dx_deferred and unscale is not None else one, out=grad_hidden)
     if need_dw and dw_acc is not grad_weight:
-        grad_weight.copy_(dw_acc)
+        scale(dw_acc, unscale if dw_deferred and unscale is not None else one, out=grad_weight)
     grad_bias = db_acc.to(dtype) if need_db else None
     return grad_hidden, grad_weight, grad_bias
