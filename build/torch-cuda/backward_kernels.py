@@ -8,7 +8,7 @@ then runs ``grad_hidden = da @ weight`` and ``grad_weight (+)= da^T @ hidden`` w
 import triton
 import triton.language as tl
 
-from .logits import grouped_tile, logit_tile, round_to
+from .logits import grouped_tile, label_terms, logit_tile, round_to, store_dlogits
 
 
 @triton.jit
@@ -83,24 +83,15 @@ def dlogits_kernel(
     p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
     d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
     d -= tl.where(offs_v[None, :] + vocab_offset == target[:, None], coef_b[:, None], 0.0)
-    d += tl.where(coef_b[:, None] != coef_b[:, None], float("nan"), 0.0)  # out-of-range target
-    if SMOOTHING:
-        coef_c = tl.load(coef_ptr + 2 * N + rows)
-        if HAS_CLASS_WEIGHT:
-            d -= coef_c[:, None] * tl.load(class_weight_ptr + cols)[None, :]
-        else:
-            d -= coef_c[:, None]
+    d = label_terms(d, coef_b, coef_ptr + 2 * N + rows, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
     if HAS_SOFTCAP:
         tc = z / softcap
         d = d * (1.0 - tc * tc)
     d = d * logit_scale
 
     mask = mask_n[:, None] & mask_v[None, :]
-    out = dlogits_ptr + local_n[:, None] * stride_dc + local_v[None, :]
-    tl.store(out, round_to(d, dlogits_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
-    if BIAS_GRAD:
-        col_sum = tl.sum(tl.where(mask, d, 0.0), axis=0)
-        tl.store(dbias_ptr + pid_m.to(tl.int64) * V + offs_v, col_sum, mask=mask_v)
+    store_dlogits(d, dlogits_ptr + local_n[:, None] * stride_dc + local_v[None, :], mask, mask_v,
+                  dbias_ptr + pid_m.to(tl.int64) * V + offs_v, BIAS_GRAD, BF16_EMULATION)
 
 
 @triton.jit

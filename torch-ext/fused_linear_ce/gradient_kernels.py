@@ -18,7 +18,7 @@ fp16: subnormal below 6e-5 of the tile max, an absolute error under 3e-8 of the 
 import triton
 import triton.language as tl
 
-from .logits import round_to
+from .logits import label_terms, round_to, store_dlogits
 
 
 @triton.jit
@@ -81,20 +81,11 @@ def softmax_gradient_kernel(
         d_t = d_t * (1.0 - tc * tc)
     is_target = offs_v[None, :] + vocab_offset == target[:, None]
     d = tl.where(is_target, d_t[:, None], d)
-    d += tl.where(coef_b[:, None] != coef_b[:, None], float("nan"), 0.0)  # out-of-range target
-    if SMOOTHING:  # never with a softcap on this path (the host routes that to the recompute path)
-        coef_c = tl.load(coef_ptr + 2 * R + local)
-        if HAS_CLASS_WEIGHT:
-            d -= coef_c[:, None] * tl.load(class_weight_ptr + offs_v, mask=mask_v, other=0.0)[None, :]
-        else:
-            d -= coef_c[:, None]
+    # Smoothing never comes with a softcap on this path (the host routes that to the recompute path).
+    d = label_terms(d, coef_b, coef_ptr + 2 * R + local, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
     d = d * logit_scale
-
-    out = da_ptr + local_n[:, None] * stride_da + offs_v[None, :]
-    tl.store(out, round_to(d, da_ptr.dtype.element_ty, EMULATE_ROUNDING), mask=mask)
-    if BIAS_GRAD:
-        col_sum = tl.sum(tl.where(mask, d, 0.0), axis=0)
-        tl.store(dbias_ptr + pid_n.to(tl.int64) * V + offs_v, col_sum, mask=mask_v)
+    store_dlogits(d, da_ptr + local_n[:, None] * stride_da + offs_v[None, :], mask, mask_v,
+                  dbias_ptr + pid_n.to(tl.int64) * V + offs_v, BIAS_GRAD, EMULATE_ROUNDING)
 
 
 @triton.jit

@@ -124,3 +124,28 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % width) % group_size
     pid_n = (pid % width) // group_size
     return pid_m, pid_n
+
+
+@triton.jit
+def label_terms(d, coef_b, coef_c_ptrs, class_weight_ptr, offs_v, mask_v, SMOOTHING: tl.constexpr,
+                HAS_CLASS_WEIGHT: tl.constexpr):
+    """The terms of da every kernel that forms it adds after ``A p - B onehot``: NaN on a row whose
+    target is outside [0, V) (the host marks it with B = NaN), and label smoothing's ``- C w``
+    (w the class weights at ``offs_v``, or 1). (BLOCK_N, BLOCK_V) fp32 in and out."""
+    d += tl.where(coef_b[:, None] != coef_b[:, None], float("nan"), 0.0)
+    if SMOOTHING:
+        coef_c = tl.load(coef_c_ptrs)
+        if HAS_CLASS_WEIGHT:
+            d -= coef_c[:, None] * tl.load(class_weight_ptr + offs_v, mask=mask_v, other=0.0)[None, :]
+        else:
+            d -= coef_c[:, None]
+    return d
+
+
+@triton.jit
+def store_dlogits(d, out_ptrs, mask, mask_v, dbias_ptrs, BIAS_GRAD: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+    """Stores the fp32 da tile rounded once to the output's dtype, and with BIAS_GRAD its column
+    sums (fp32, from the unrounded values) to the tile's own row of the bias partial sums."""
+    tl.store(out_ptrs, round_to(d, out_ptrs.dtype.element_ty, EMULATE_ROUNDING), mask=mask)
+    if BIAS_GRAD:
+        tl.store(dbias_ptrs, tl.sum(tl.where(mask, d, 0.0), axis=0), mask=mask_v)
