@@ -45,11 +45,11 @@ ALLOCATOR_SLACK = 16 * MiB
 CUBLAS_SLACK = 128 * MiB  # the chunked path only (module docstring)
 
 
-def _inputs():
+def _inputs(n=N, h=H, v=V):
     g = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(N, H, device="cuda", generator=g).to(DTYPE).requires_grad_(True)
-    weight = (torch.randn(V, H, device="cuda", generator=g) * (4.0 / H) ** 0.5).to(DTYPE).requires_grad_(True)
-    targets = torch.randint(0, V, (N,), device="cuda", generator=g)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(DTYPE).requires_grad_(True)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (4.0 / h) ** 0.5).to(DTYPE).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
     targets[::7] = -100
     return hidden, weight, targets
 
@@ -122,10 +122,7 @@ def test_backward_into_grad_leaves_nothing_behind():
 
 def _extra_mib(n, h, v, **kwargs):
     """Peak allocated during one forward+backward above the inputs and the gradients, in MiB."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    hidden = torch.randn(n, h, device="cuda", generator=g).to(DTYPE).requires_grad_(True)
-    weight = (torch.randn(v, h, device="cuda", generator=g) * (4.0 / h) ** 0.5).to(DTYPE).requires_grad_(True)
-    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    hidden, weight, targets = _inputs(n, h, v)
     for _ in range(2):
         grads = torch.autograd.grad(fused_linear_cross_entropy(hidden, weight, targets, **kwargs), (hidden, weight))
         del grads

@@ -192,17 +192,14 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, first: bool
         torch.addmm(acc, a, b, out=acc, **kwargs)
 
 
-def _rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale) -> None:
-    """out = (da @ weight) [* unscale] for a block of whole vocabulary rows (the two-pass plan's
-    first pass): cuBLAS with an fp32 result (it splits the long V reduction across the GPU, which
-    a block of few rows needs), then one scaling kernel, one rounding. The fp32 (rows, H) result
-    is small next to the da block (H / V of it, times 2)."""
-    if da.device.type == "cuda":
-        product = torch.mm(da, weight, out_dtype=torch.float32)
-    else:
-        product = torch.mm(da.float(), weight.float())
-    one = torch.ones((1,), dtype=torch.float32, device=da.device)
-    scale(product, unscale if unscale is not None else one, out=out)
+def _rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale: torch.Tensor) -> None:
+    """out = (da @ weight) * unscale for a block of whole vocabulary rows (the two-pass plan's
+    first pass): cuBLAS with an fp32 result (``_accumulate``; it splits the long V reduction across
+    the GPU, which a block of few rows needs), then one scaling kernel, one rounding. The fp32
+    (rows, H) result is small next to the da block (H / V of it, times 2)."""
+    product = torch.empty((da.shape[0], weight.shape[1]), dtype=torch.float32, device=da.device)
+    _accumulate(da, weight, product, True)
+    scale(product, unscale, out=out)
 
 
 def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
@@ -265,6 +262,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         coef = coef * lift
         unscale = inverse if unscale is None else unscale * inverse
 
+    one = torch.ones((1,), dtype=torch.float32, device=device)
+    unscale_or_one = unscale if unscale is not None else one
     # 16-bit inputs: products summed over blocks go to cuBLAS into the fp32 accumulator, unscaled;
     # the common factor is applied once, in the accumulator's final rounding (``scale``).
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
@@ -297,7 +296,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                 )
                 da = dlogits[:r, :c]
                 if p_dx and not plan.weight_grad:  # whole vocabulary rows: each row's gradient at once
-                    _rows_product(da, weight, dx_acc[row0 : row0 + r], unscale)
+                    _rows_product(da, weight, dx_acc[row0 : row0 + r], unscale_or_one)
                 elif p_dx and dx_deferred:
                     _accumulate(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:
@@ -315,10 +314,9 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         if n == 0:
             dx_acc.zero_()
         parallel.all_reduce(dx_acc, shard)
-    one = torch.ones((1,), dtype=torch.float32, device=device)
     if need_dx and dx_acc is not grad_hidden:
-        scale(dx_acc, unscale if dx_deferred and unscale is not None else one, out=grad_hidden)
+        scale(dx_acc, unscale_or_one if dx_deferred else one, out=grad_hidden)
     if need_dw and dw_acc is not grad_weight:
-        scale(dw_acc, unscale if dw_deferred and unscale is not None else one, out=grad_weight)
+        scale(dw_acc, unscale_or_one if dw_deferred else one, out=grad_weight)
     grad_bias = db_acc.to(dtype) if need_db else None
     return grad_hidden, grad_weight, grad_bias

@@ -111,6 +111,16 @@ class BackwardPlan:
         )
 
 
+def _token_rows(elems: int, v: int, block_n: int) -> int:
+    """Rows of whole vocabulary rows that ``elems`` elements hold, in row blocks, at least one."""
+    return max(block_n, (elems // v) // block_n * block_n)
+
+
+def _vocab_cols(elems: int, n: int, block_v: int) -> int:
+    """Columns of all N rows that ``elems`` elements hold, in vocabulary tiles (may be 0)."""
+    return (elems // max(n, 1)) // block_v * block_v
+
+
 def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan:
     """The backward's blocking for a da buffer of at most ``chunk_bytes`` (default
     DEFAULT_CHUNK_BYTES). Whole when it fits; otherwise whole rows of the vocabulary in token chunks
@@ -121,8 +131,8 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
     fp16ish = dtype != torch.float32
     if n * v <= elems:
         return BackwardPlan(n, v, False, False)
-    token = BackwardPlan(max(block_n, (elems // v) // block_n * block_n), v, False, fp16ish)
-    vocab_cols = (elems // max(n, 1)) // block_v * block_v
+    token = BackwardPlan(_token_rows(elems, v, block_n), v, False, fp16ish)
+    vocab_cols = _vocab_cols(elems, n, block_v)
     if vocab_cols < block_v:
         return token
     vocab = BackwardPlan(n, vocab_cols, fp16ish, False)
@@ -149,25 +159,20 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
     if n * v <= elems or dtype == torch.float32:
         return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)
 
-    def token_rows(e):
-        return max(block_n, (e // v) // block_n * block_n)
-
-    def vocab_cols(e):
-        return (e // max(n, 1)) // block_v * block_v
-
     rows_only = max(block_n, (budget // (v * item + 4 * h)) // block_n * block_n)  # da rows + their fp32 product
     rows_pass = BackwardPlan(rows_only, v, False, False, True, False)
-    dw_pass = BackwardPlan(n, vocab_cols(elems), False, False, False, True) if vocab_cols(elems) >= block_v else None
+    all_cols = _vocab_cols(elems, n, block_v)
+    dw_pass = BackwardPlan(n, all_cols, False, False, False, True) if all_cols >= block_v else None
     if not need_dw:
         return (rows_pass,)
     if not need_rows and dw_pass is not None:
         return (dw_pass,)
     acc_x, acc_w = 4 * n * h, 4 * v * h
-    cols = vocab_cols(max(0, budget - acc_x) // item)
+    cols = _vocab_cols(max(0, budget - acc_x) // item, n, block_v)
     if acc_x <= budget // 2 and cols >= block_v:
         return (BackwardPlan(n, cols, True, False),)
     if acc_w <= budget // 2:
-        return (BackwardPlan(token_rows((budget - acc_w) // item), v, False, True),)
+        return (BackwardPlan(_token_rows((budget - acc_w) // item, v, block_n), v, False, True),)
     if dw_pass is not None:
         return (rows_pass, dw_pass)
     return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns
