@@ -42,11 +42,19 @@ for dtype in DTYPES:
     ]
 # The backward's blocking (configs.plan_passes; CPU tiles 16 x 256): whole plane; token chunks with
 # the V x H accumulator (16-bit: the fallback when no vocabulary block of all rows fits); vocabulary
-# chunks (16-bit: two passes, no accumulator; fp32: one pass); one pass of vocabulary chunks with the
-# N x H accumulator in half the budget (72000 bytes, 16-bit); the smallest blocks.
+# chunks (16-bit: one pass with the N x H accumulator borrowed from grad_weight; fp32: one pass); one
+# pass of vocabulary chunks with the N x H accumulator in half the budget (72000 bytes, 16-bit); the
+# smallest blocks.
 for dtype in DTYPES:
     for chunk in (None, 16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 72000, 1):
         CASES.append(Case(77, 96, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=chunk))
+# 16-bit: the borrowed accumulator over three vocabulary blocks, two of whose grad_weight waits for
+# grad_hidden (one recomputed); and two passes without accumulators where V < 2N (no borrowing).
+for dtype in (torch.float16, torch.bfloat16):
+    CASES += [
+        Case(160, 96, 1000, dtype, "mean", bias=True, ignored=0.2, chunk_bytes=160 * 256 * dtype.itemsize),
+        Case(300, 40, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=300 * 256 * dtype.itemsize),
+    ]
 if ON_GPU:  # sizes that fill the GPU's tiles several times over; too slow for the interpreter
     for dtype in DTYPES:
         CASES += [

@@ -25,6 +25,9 @@ SHARDED_CASES = [
     dict(reduction="none", ignored=0.2, bias=True, logit_scale=0.7, softcap=3.0),
     dict(reduction="sum", ignored=0.2, label_smoothing=0.1, z_loss=1e-3, class_weight=True, return_metrics=True),
     dict(reduction="mean", dtype=torch.bfloat16, bias=True, return_metrics=True, chunk_bytes=16 * 96 * 2),
+    # Each shard's grad_hidden accumulator borrowed from its grad_weight, all-reduced in place there.
+    dict(reduction="none", dtype=torch.bfloat16, ignored=0.2, bias=True, shape=(23, 160, 1200),
+         chunk_bytes=23 * 256 * 2),
     # The chunked path (gradients in the forward, merged per chunk of rows), in one and in two chunks.
     dict(reduction="sum", ignored=0.2, bias=True, label_smoothing=0.1, class_weight=True, return_metrics=True,
          strategy="chunked"),
@@ -82,8 +85,8 @@ def _sharded_worker(rank, world, port, index):
         spec = dict(SHARDED_CASES[index])
         opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes", "strategy")
                 if k in spec}
-        case = Case(23, 40, 96, **{k: v for k, v in spec.items()
-                                                                          if k in Case.__dataclass_fields__})
+        case = Case(*spec.pop("shape", (23, 40, 96)), **{k: v for k, v in spec.items()
+                                                         if k in Case.__dataclass_fields__})
         kwargs = dict(reduction=case.reduction, ignore_index=case.ignore_index, logit_scale=case.logit_scale,
                       softcap=case.softcap, **opts)
         hidden, weight, bias, targets = make_inputs(case, device="cpu")

@@ -60,8 +60,30 @@ def test_llama_shape_keeps_one_pass_with_the_token_accumulator_in_half_the_budge
     assert plan.rows * plan.cols * 2 <= configs.DEFAULT_CHUNK_BYTES - n * h * 4
 
 
+@pytest.mark.parametrize("budget_mib", [64, 128])
+def test_below_half_the_accumulator_it_borrows_grad_weight_memory(budget_mib):
+    """S1 at 64 / 128 MiB: the N x H fp32 accumulator (128 MiB) lives in grad_weight (V >= 2N), so
+    the whole budget is da block and the extra memory is that block alone."""
+    n, h, v = 8192, 4096, 128256
+    budget = budget_mib << 20
+    (plan,) = _passes(n, h, v, budget)
+    assert plan.borrowed and plan.dx_accumulator and not plan.dw_accumulator
+    assert (plan.rows, plan.rows_grads, plan.weight_grad) == (n, True, True)
+    assert plan.extra_bytes(n, v, h, 2) == n * plan.cols * 2 <= budget
+    assert plan.cols == budget // (2 * n) // 256 * 256
+    assert configs.borrows_weight_grad(n, v, torch.bfloat16)
+
+
+def test_borrowing_needs_a_vocabulary_of_at_least_twice_the_tokens():
+    assert configs.borrows_weight_grad(100, 200, torch.float16)
+    assert not configs.borrows_weight_grad(100, 199, torch.bfloat16)
+    assert not configs.borrows_weight_grad(1, 10**6, torch.float32)  # fp32 gradients need no accumulator
+    n, h, v = 65536, 4096, 128256  # S4: V < 2N, so two passes (below)
+    assert not any(p.borrowed for p in _passes(n, h, v, None))
+
+
 def test_long_context_takes_two_passes_without_accumulators():
-    n, h, v = 65536, 4096, 128256  # N x H fp32 = 1 GiB: more than half the budget
+    n, h, v = 65536, 4096, 128256  # N x H fp32 = 1 GiB: more than half the budget, and V < 2N
     rows_pass, dw_pass = _passes(n, h, v, None)
     assert (rows_pass.rows_grads, rows_pass.weight_grad, rows_pass.cols) == (True, False, v)
     assert (dw_pass.rows_grads, dw_pass.weight_grad, dw_pass.rows) == (False, True, n)

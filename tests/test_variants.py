@@ -26,10 +26,15 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "none", label_smoothing=1.0, class_weight=True),
         Case(77, 96, 500, dtype, "mean", ignored=1.0, label_smoothing=0.1, class_weight=True),
     ]
-    # token blocks (+ V x H accumulator) / two passes (fp32: vocabulary blocks) / one pass with N x H
+    # token blocks (+ V x H accumulator) / vocabulary blocks (16-bit: the N x H accumulator borrowed
+    # from grad_weight) / one pass with N x H in the budget
     for chunk in (16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 72000):
         CASES.append(Case(77, 96, 500, dtype, "sum", ignored=0.2, label_smoothing=0.1, class_weight=True,
                           z_loss=1e-3, bias=True, chunk_bytes=chunk))
+    # 16-bit: borrowed, with grad_weight blocks that wait for grad_hidden / two passes (V < 2N)
+    for n, v in ((160, 1000), (300, 500)):
+        CASES.append(Case(n, 40, v, dtype, "mean", ignored=0.2, label_smoothing=0.1, class_weight=True,
+                          z_loss=1e-3, bias=True, chunk_bytes=n * 256 * dtype.itemsize))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -218,6 +218,24 @@ def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     return scale, (1.0 / scale).reshape(1)
 
 
+def _borrow_accumulator(grad_weight: torch.Tensor, n: int, h: int):
+    """An fp32 (n, h) view of grad_weight's last bytes (16-byte aligned), and the first
+    vocabulary row it overlaps. The caller writes those rows of grad_weight only once the
+    accumulator is spent (``configs.borrows_weight_grad`` says when it fits)."""
+    flat = grad_weight.view(-1)
+    per = 4 // grad_weight.element_size()
+    start = (flat.numel() - per * n * h) // 8 * 8
+    return flat[start : start + per * n * h].view(torch.float32).view(n, h), start // h
+
+
+def _borrowed_order(v: int, cols: int, first_borrowed_row: int):
+    """The borrowed plan's column blocks (col0, c), laid out from the end so that the last block is
+    whole: those clear of the accumulator first, then those over it, the last block last."""
+    blocks = [(max(0, end - cols), end - max(0, end - cols)) for end in range(v, 0, -cols)][::-1]
+    clear = [b for b in blocks if b[0] + b[1] <= first_borrowed_row]
+    return clear, blocks[len(clear) :]
+
+
 def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, need_dx, need_dw, need_db,
              shard=None, common=None):
     """Recompute backward over blocks of the (N, V) plane, in one or two passes
@@ -225,7 +243,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself (16-bit: cuBLAS
-    products into it, the common factor applied in its one final rounding).
+    products into it, the common factor applied in its one final rounding). The grad_hidden
+    accumulator may live in grad_weight's own memory (``BackwardPlan.borrowed``).
     ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
     shared by every row (losses.coefficients), applied to the products in fp32 rather than rounded
     into da. With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32
@@ -239,6 +258,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                                  need_dw)
     dx_pass = next(p for p in passes if p.rows_grads) if need_dx or need_db else None
     dw_pass = next(p for p in passes if p.weight_grad) if need_dw else None
+    borrowed = len(passes) == 1 and passes[0].borrowed and need_dx and need_dw and n > 0
 
     def gradient(shape, summed_over_blocks):
         """The gradient tensor, and where the products accumulate into it (fp32)."""
@@ -248,12 +268,16 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         return out, out
 
     grad_hidden = dx_acc = grad_weight = dw_acc = None
-    if need_dx:
-        grad_hidden, dx_acc = gradient((n, h), triton.cdiv(v, dx_pass.cols) > 1 or shard is not None)
+    first_borrowed_row = v
     if need_dw:
         grad_weight, dw_acc = gradient((v, h), n > 0 and triton.cdiv(n, dw_pass.rows) > 1)
         if n == 0:
             dw_acc.zero_()
+    if need_dx and borrowed:
+        grad_hidden = _new((n, h), dtype, device)
+        dx_acc, first_borrowed_row = _borrow_accumulator(grad_weight, n, h)
+    elif need_dx:
+        grad_hidden, dx_acc = gradient((n, h), triton.cdiv(v, dx_pass.cols) > 1 or shard is not None)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
 
     unscale = common.reshape(1).to(torch.float32) if common is not None else None
@@ -271,7 +295,59 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
 
     bias_arg, stride_b = _bias_args(bias, hidden)
     softcap = float(opts.softcap) if opts.softcap is not None else 1.0
-    for plan in passes if n > 0 else ():
+
+    def dlogits_block(dlogits, dbias, row0, r, col0, c, bias_grad):
+        """da for rows [row0, row0 + r) x classes [col0, col0 + c) into ``dlogits`` (and the bias
+        partial sums into ``dbias`` when ``bias_grad``); returns the (r, c) view."""
+        grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
+        dlogits_kernel[grid](
+            hidden, weight, bias_arg, targets, lse2, coef,
+            class_weight if class_weight is not None else coef, dlogits, dbias,
+            row0, r, col0, c, v, h,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
+            targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap, n,
+            shard.offset if shard is not None else 0,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
+            SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
+            BIAS_GRAD=bias_grad,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
+            EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **logit_flags(dtype),
+        )
+        return dlogits[:r, :c]
+
+    def finish_grad_hidden():
+        if need_dx and shard is not None:
+            if n == 0:
+                dx_acc.zero_()
+            parallel.all_reduce(dx_acc, shard)
+        if need_dx and dx_acc is not grad_hidden:
+            scale(dx_acc, unscale_or_one if dx_deferred else one, out=grad_hidden)
+
+    if borrowed:
+        plan = passes[0]
+        dlogits = _new((n, plan.cols), dtype, device)
+        dbias = _new((triton.cdiv(n, cfg.block_n), v), torch.float32, device) if need_db else coef
+        clear, over = _borrowed_order(v, plan.cols, first_borrowed_row)
+
+        def weight_grad(da, col0, c):
+            matmul(da.t(), hidden, grad_weight[col0 : col0 + c], False, unscale)
+
+        for i, (col0, c) in enumerate(clear + over):
+            da = dlogits_block(dlogits, dbias, 0, n, col0, c, need_db)
+            _accumulate(da, weight[col0 : col0 + c], dx_acc, i == 0)
+            if i < len(clear):
+                weight_grad(da, col0, c)
+        if need_db:  # every column of the one row block's partial sums is written now
+            block_sum = dbias[: triton.cdiv(n, cfg.block_n)].sum(0)
+            db_acc += block_sum if unscale is None else block_sum * unscale
+        finish_grad_hidden()  # the accumulator is spent: grad_weight's last rows are free
+        weight_grad(da, *over[-1])
+        for col0, c in over[:-1]:
+            weight_grad(dlogits_block(dlogits, dbias, 0, n, col0, c, False), col0, c)
+        del dlogits, dbias, da
+
+    for plan in passes if n > 0 and not borrowed else ():
         p_dx, p_db, p_dw = need_dx and plan.rows_grads, need_db and plan.rows_grads, need_dw and plan.weight_grad
         dlogits = _new((plan.rows, plan.cols), dtype, device)
         dbias = _new((triton.cdiv(plan.rows, cfg.block_n), v), torch.float32, device) if p_db else coef
@@ -279,22 +355,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
             r = min(plan.rows, n - row0)
             for col0 in range(0, v, plan.cols):
                 c = min(plan.cols, v - col0)
-                grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
-                dlogits_kernel[grid](
-                    hidden, weight, bias_arg, targets, lse2, coef,
-                    class_weight if class_weight is not None else coef, dlogits, dbias,
-                    row0, r, col0, c, v, h,
-                    hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
-                    targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap, n,
-                    shard.offset if shard is not None else 0,
-                    HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
-                    SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
-                    BIAS_GRAD=p_db,
-                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
-                    EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                    **logit_flags(dtype),
-                )
-                da = dlogits[:r, :c]
+                da = dlogits_block(dlogits, dbias, row0, r, col0, c, p_db)
                 if p_dx and not plan.weight_grad:  # whole vocabulary rows: each row's gradient at once
                     _rows_product(da, weight, dx_acc[row0 : row0 + r], unscale_or_one)
                 elif p_dx and dx_deferred:
@@ -310,12 +371,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                 db_acc += block_sum if unscale is None else block_sum * unscale
         del dlogits, dbias, da  # the next pass's blocks take their place
 
-    if need_dx and shard is not None:
-        if n == 0:
-            dx_acc.zero_()
-        parallel.all_reduce(dx_acc, shard)
-    if need_dx and dx_acc is not grad_hidden:
-        scale(dx_acc, unscale_or_one if dx_deferred else one, out=grad_hidden)
+    if not borrowed:
+        finish_grad_hidden()
     if need_dw and dw_acc is not grad_weight:
         scale(dw_acc, unscale_or_one if dw_deferred else one, out=grad_weight)
     grad_bias = db_acc.to(dtype) if need_db else None

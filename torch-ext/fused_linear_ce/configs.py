@@ -103,11 +103,15 @@ class BackwardPlan:
     dw_accumulator: bool  # grad_weight summed over row blocks in an fp32 (V, H) buffer
     rows_grads: bool = True  # this pass computes grad_hidden and grad_bias (when wanted)
     weight_grad: bool = True  # this pass computes grad_weight (when wanted)
+    # The (N, H) fp32 accumulator lives in the last bytes of grad_weight's own memory (not extra):
+    # the vocabulary blocks that overlap it get their grad_weight after grad_hidden is final.
+    borrowed: bool = False
 
     def extra_bytes(self, n: int, v: int, h: int, itemsize: int) -> int:
         """The da block, the fp32 accumulators, and a rows-only pass's fp32 (rows, H) product."""
         return self.rows * self.cols * itemsize + 4 * h * (
-            n * self.dx_accumulator + v * self.dw_accumulator + self.rows * (not self.weight_grad)
+            n * (self.dx_accumulator and not self.borrowed) + v * self.dw_accumulator
+            + self.rows * (not self.weight_grad)
         )
 
 
@@ -149,6 +153,11 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
       complete in one product. Only grad_weight: vocabulary blocks of all N rows, likewise.
     - Both, in one pass, when an fp32 accumulator (N x H for vocabulary blocks, else V x H) takes
       at most half the budget; the da block gets the rest.
+    - Else, when grad_weight's own memory holds the N x H fp32 accumulator (V >= 2N for 16-bit
+      inputs), one pass of vocabulary blocks with the accumulator borrowed from grad_weight's last
+      rows (``borrows_weight_grad``): the budget is all da block. The blocks over those rows but the
+      last get their grad_weight after grad_hidden is final, from their logits recomputed once
+      more: (2N - cols) / V of a product more.
     - Otherwise two passes, each without an accumulator: token blocks for grad_hidden and
       grad_bias, then vocabulary blocks for grad_weight. The logits are recomputed once more
       (5 products instead of 4), and the memory stays flat in N.
@@ -173,9 +182,17 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
         return (BackwardPlan(n, cols, True, False),)
     if acc_w <= budget // 2:
         return (BackwardPlan(_token_rows((budget - acc_w) // item, v, block_n), v, False, True),)
+    if dw_pass is not None and borrows_weight_grad(n, v, dtype):
+        return (BackwardPlan(n, all_cols, True, False, borrowed=True),)
     if dw_pass is not None:
         return (rows_pass, dw_pass)
     return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns
+
+
+def borrows_weight_grad(n: int, v: int, dtype: torch.dtype) -> bool:
+    """Whether grad_weight's (V, H) memory in ``dtype`` holds an (N, H) fp32 accumulator: V >= 2N
+    for 16-bit inputs (fp32 inputs need no accumulator)."""
+    return dtype != torch.float32 and v * dtype.itemsize >= 4 * n
 
 
 def chunk_budget(chunk_bytes: int | None) -> int:

@@ -1,0 +1,158 @@
+"""One GPU call: the recompute path's plans at small budgets (v7 in NOTES.md).
+
+    python3 benchmarks/experiment_borrowed.py [--shapes S1 S2 S3] [--out DIR]
+
+Per shape (bf16, random data as tune.py), each variant is checked against an fp32 reference (TF32
+off), timed forward+backward (do_bench median) and its peak extra memory measured (above the inputs
+and the gradients). Variants: the planner's choice at 64 / 128 / 256 MiB; the same budgets forced to
+the previous plans (two passes; one pass with the N x H accumulator inside the budget) or to the
+borrowed accumulator; Liger as the side-by-side peer when installed. Then one profiled step per
+kernel of the 64 MiB plan at S1. Prints a table last; writes experiment_borrowed.json under --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
+from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
+
+from tune import problem, rel  # noqa: E402
+
+MiB = 1 << 20
+SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
+PLANNER = configs.plan_passes
+
+
+def forced(kind):
+    """A planner that takes ``kind`` where the real one would choose otherwise."""
+
+    def plan(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw):
+        passes = PLANNER(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw)
+        budget = configs.chunk_budget(chunk_bytes)
+        cols = configs._vocab_cols(budget // dtype.itemsize, n, block_v)
+        if kind == "borrowed" and configs.borrows_weight_grad(n, v, dtype):
+            return (configs.BackwardPlan(n, cols, True, False, borrowed=True),)
+        if kind == "two-pass" and passes[0].borrowed:
+            rows = max(block_n, (budget // (v * dtype.itemsize + 4 * h)) // block_n * block_n)
+            return (configs.BackwardPlan(rows, v, False, False, True, False),
+                    configs.BackwardPlan(n, cols, False, False, False, True))
+        return passes
+
+    return plan
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+    except Exception:  # an optional oracle
+        liger = None
+    rows, kernels = [], {}
+    for shape in args.shapes:
+        n, h, v = SHAPES[shape]
+        hidden, weight, targets = problem(n, h, v)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ref_loss, count, ref_dx, ref_dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=2048)
+        ref_loss, ref_dx, ref_dw = ref_loss / count, ref_dx / count, ref_dw / count
+        grads_bytes = hidden.numel() * 2 + weight.numel() * 2
+
+        def step(fn):
+            hd = hidden.detach().requires_grad_(True)
+            wd = weight.detach().requires_grad_(True)
+            loss = fn(hd, wd)
+            loss.backward()
+            return loss, hd.grad, wd.grad
+
+        variants = {}
+        for mib in (64, 128, 256):
+            for kind in ("planner", "two-pass", "borrowed"):
+                def fn(hd, wd, mib=mib):
+                    return fused_linear_cross_entropy(hd, wd, targets, chunk_bytes=mib * MiB, strategy="recompute")
+                variants[f"{mib}M-{kind}"] = (fn, kind)
+        if liger is not None:
+            def liger_loss(hd, wd):
+                out = liger(hd, wd, targets)
+                return out[0] if isinstance(out, (tuple, list)) else out
+
+            variants["liger"] = (liger_loss, "peer")
+        mm = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=20, rep=100)
+        seen = {}
+        for name, (fn, kind) in variants.items():
+            configs.plan_passes = forced(kind) if kind in ("two-pass", "borrowed") else PLANNER
+            if kind != "peer":
+                cfg = configs.sweep_config(torch.bfloat16)
+                plan = configs.plan_passes(n, v, h, torch.bfloat16, int(name.split("M")[0]) * MiB, cfg.block_n,
+                                           cfg.block_v, True, True)
+                key = tuple(plan)
+                if key in seen:  # the same plan as an earlier variant: not timed twice
+                    rows.append(dict(shape=shape, name=name, same_as=seen[key]))
+                    print(rows[-1], flush=True)
+                    continue
+                seen[key] = name
+                desc = " + ".join(f"{p.rows}x{p.cols}{' borrowed' if p.borrowed else ''}"
+                                  f"{' acc' if p.dx_accumulator and not p.borrowed else ''}" for p in plan)
+            else:
+                desc = "peer"
+            try:
+                loss, dx, dw = step(fn)
+                err = dict(dx=rel(dx, ref_dx), dw=rel(dw, ref_dw),
+                           loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+                del loss, dx, dw
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step(fn)
+                extra = (torch.cuda.max_memory_allocated() - base - grads_bytes) / MiB
+                ms = triton.testing.do_bench(lambda: step(fn), warmup=3, rep=40)
+                rows.append(dict(shape=shape, name=name, plan=desc, ms=ms, extra_mib=extra, matmul_ms=mm, **err))
+            except Exception as exc:
+                rows.append(dict(shape=shape, name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            print(rows[-1], flush=True)
+        configs.plan_passes = PLANNER
+
+        if shape == "S1":
+            from torch.profiler import ProfilerActivity, profile
+
+            fn = variants["64M-planner"][0]
+            step(fn)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(fn)
+                torch.cuda.synchronize()
+            agg = {}
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    key = e.name.split("(")[0][:48]
+                    agg[key] = agg.get(key, 0.0) + e.device_time_total / 1e3
+            kernels["S1-64M-planner"] = dict(sorted(agg.items(), key=lambda kv: -kv[1])[:10])
+            print(kernels, flush=True)
+        del hidden, weight, targets, ref_dx, ref_dw
+        torch.cuda.empty_cache()
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "experiment_borrowed.json").write_text(json.dumps(dict(meta=meta, rows=rows, kernels=kernels),
+                                                                      indent=1))
+    print(f"\n{meta}")
+    print(f"{'shape':5s} {'variant':16s} {'plan':34s} {'ms':>7s} {'MiB':>6s} {'dx':>8s} {'dw':>8s}")
+    for r in rows:
+        if "ms" in r:
+            print(f"{r['shape']:5s} {r['name']:16s} {r['plan'][:34]:34s} {r['ms']:7.2f} {r['extra_mib']:6.0f} "
+                  f"{r['dx']:8.1e} {r['dw']:8.1e}")
+        else:
+            print(f"{r['shape']:5s} {r['name']:16s} {r.get('same_as', r.get('error', ''))[:60]}")
+
+
+if __name__ == "__main__":
+    main()
