@@ -108,7 +108,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
-        splits = configs.vocab_splits(n_blocks, n_tiles, device)
+        splits = configs.vocab_splits(n_blocks, n_tiles, device, resident=cfg.resident)
         tiles_per_split = triton.cdiv(n_tiles, splits)
         splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
     else:

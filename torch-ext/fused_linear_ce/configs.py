@@ -29,6 +29,7 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    resident: int = 1  # programs of these tiles one SM holds at once (shared memory, registers)
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,11 @@ class MatmulConfig:
 _CPU_SWEEP = TileConfig(block_n=16, block_v=256, block_h=64, group_m=4, num_warps=1, num_stages=1)
 _CPU_MATMUL = MatmulConfig(block_m=64, block_p=64, block_k=256, group_m=4, num_warps=1, num_stages=1)
 
-# GPU: 128 x 256 logit tiles over 64-wide H steps (H200: 15.2 ms vs 19.9 ms for 128 x 128 at S1).
-_GPU_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=8, num_warps=8, num_stages=3)
-_GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3)
+# GPU: 128 x 256 logit tiles over 64-wide H steps (H200: 15.2 ms vs 19.9 ms for 128 x 128 at S1);
+# 3 stages of 48 KB of operands: one program per SM.
+_GPU_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=8, num_warps=8, num_stages=3, resident=1)
+# fp32: 3 stages of 16 KB; two per SM assumed (not measured: fp32 is not a tuned case).
+_GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3, resident=2)
 # The chunked path's sweep, one tile a program in a 1-D grid grouped by group_m row blocks (a wave
 # shares fewer rows and weight tiles): 256 x 128 tiles, groups of 16 (H200, S1: 42.0-43.4 ms
 # fwd+bwd against 47.3 with 128 x 256 tiles in the 2-D grid; benchmarks/NOTES.md).
@@ -55,8 +58,9 @@ _GPU_CHUNKED_SWEEP = TileConfig(block_n=256, block_v=128, block_h=64, group_m=16
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
 
-# Programs per SM the forward aims for when it splits the vocabulary among programs (occupancy).
-_PROGRAMS_PER_SM = 2
+# The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
+# this share (``vocab_splits``).
+_WAVE_EFFICIENCY = 0.95
 # Splits on the interpreter: more than one, so every run exercises the merge of partial statistics.
 _CPU_SPLITS = 3
 # Default budget for the backward's da chunk (bytes): the memory knob's default setting.
@@ -84,13 +88,35 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device) -> int:
-    """How many programs share one row block's vocabulary sweep: enough to fill the GPU."""
+def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:
+    """How many programs share one row block's vocabulary sweep (each a contiguous range of tiles).
+
+    The sweep takes about (waves) x (tiles per program), where a wave is the SMs x ``resident``
+    programs that run at once; the work is row blocks x tiles. This takes the fewest splits whose
+    waves are at least ``_WAVE_EFFICIENCY`` full, else the fullest (fewer splits: fewer partial
+    statistics, and the programs that run together share more of the weight in L2). H200, bf16,
+    evaluation forward (``benchmarks/results/borrowed/experiment_splits.json``): S1 2 splits 13.9 ms
+    against 15.8 for the 5 of the earlier rule (2 programs per SM), S3 1 split 18.7 against 23.1."""
     if interpreted() or device.type != "cuda":
         return max(1, min(_CPU_SPLITS, n_vocab_tiles))
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * sms, max(1, n_row_blocks))
-    return max(1, min(wanted, n_vocab_tiles))
+    return _fewest_full_splits(max(1, n_row_blocks), max(1, n_vocab_tiles), sms * resident)
+
+
+@functools.lru_cache(maxsize=256)
+def _fewest_full_splits(row_blocks: int, tiles: int, slots: int) -> int:
+    best, best_eff = 1, 0.0
+    for splits in range(1, tiles + 1):
+        per = triton.cdiv(tiles, splits)
+        if splits > 1 and triton.cdiv(tiles, splits - 1) == per:
+            continue  # the same ranges as fewer splits
+        waves = triton.cdiv(row_blocks * triton.cdiv(tiles, per), slots)
+        eff = row_blocks * tiles / (waves * per * slots)
+        if eff >= _WAVE_EFFICIENCY:
+            return splits
+        if eff > best_eff:
+            best, best_eff = splits, eff
+    return best
 
 
 @dataclass(frozen=True)
