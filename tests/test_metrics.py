@@ -4,10 +4,11 @@ import math
 
 import pytest
 import torch
+import triton
 
 from cases import Case, make_inputs, ours
 from conftest import DEVICE, reference, rel_err
-from fused_linear_ce import fused_linear_cross_entropy
+from fused_linear_ce import configs, fused_linear_cross_entropy
 
 METRIC_CASES = [
     Case(77, 96, 500, torch.float32, "mean", ignored=0.2),
@@ -68,9 +69,10 @@ def test_metrics_of_an_all_ignored_batch_are_nan():
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
-def test_argmax_ties_across_many_splits_take_the_first_class(strategy):
-    """The merge reduces tiles of splits at once (``combine_kernel``): with the chunked path's one
-    vocabulary tile a split there are more splits than one step holds. Classes 5, 3000 and
+def test_argmax_ties_across_many_splits_take_the_first_class(strategy, monkeypatch):
+    """The merge reduces tiles of splits at once (``combine_kernel``): here one vocabulary tile a
+    split (on the CPU forced, on a GPU the split rule's choice for one row block), 41 splits, more
+    than one step of the merge holds. Classes 5, 3000 and
     V - 1 have the same weight row, so each row's largest logit is tied between three splits far
     apart; the first class must win, as torch.argmax, and the loss and entropy must match the
     reference."""
@@ -84,6 +86,12 @@ def test_argmax_ties_across_many_splits_take_the_first_class(strategy):
     targets[::2] = 5  # 12 rows: right only if the first tied class wins
     targets[1::4] = 3000  # 6 rows: right only if the middle one wins
     hidden.requires_grad_(True)
+    monkeypatch.setattr(configs, "_CPU_SPLITS", 10**6)
+    cfg = configs.sweep_config(torch.float32, chunked=strategy == "chunked")
+    if configs.interpreted() or DEVICE == "cpu":
+        assert configs.vocab_splits(1, triton.cdiv(v, cfg.block_v), torch.device(DEVICE)) == 41
+    else:
+        assert configs.vocab_splits(1, triton.cdiv(v, cfg.block_v), torch.device(DEVICE), resident=cfg.resident) > 32
     loss, got = fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True, strategy=strategy)
     want_loss, want = reference.linear_cross_entropy(hidden.detach(), weight, targets, return_metrics=True)
     assert got["mean_token_accuracy"].item() == pytest.approx(want["mean_token_accuracy"].item(), abs=1e-6)
