@@ -1,5 +1,8 @@
 """One GPU call: the chunked path's sweep with several vocabulary tiles a program (v8, NOTES.md).
 
+Ran at commit 59a8ef8, whose ``configs.CHUNKED_MULTI_TILE`` switched the two; the multi-tile sweep
+was removed in the next commit, so at later commits its rows time the one-tile sweep.
+
     python3 benchmarks/experiment_multitile.py [--shapes S1 S2 S3] [--out DIR]
 
 Per shape (bf16, random data as tune.py): chunked-whole forward+backward with the sweep's programs one

@@ -75,8 +75,7 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "sum", logit_scale=2.5, softcap=4.0, chunk_bytes=1, extra=dict(strategy="chunked")),
         Case(77, 40, 500, dtype, "mean", grad=("weight",), chunk_bytes=32 * 500 * dtype.itemsize,
              extra=dict(strategy="chunked")),
-        # Several vocabulary tiles a program in the chunked sweep (CPU: 4 tiles in 2 splits), whole
-        # and in two chunks of rows.
+        # Four vocabulary tiles (CPU), whole and in two chunks of rows.
         Case(40, 48, 1000, dtype, "sum", logit_scale=1.5, softcap=4.0, bias=True, ignored=0.2,
              extra=dict(strategy="chunked")),
         Case(40, 48, 1000, dtype, "mean", bias=True, ignored=0.2, chunk_bytes=32 * 1000 * dtype.itemsize,

@@ -3,8 +3,8 @@
 For "mean" and "sum" the upstream gradient is one scalar g, so the logits' gradient is known up to
 g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
 
-1. the sweep (``lse_sweep_kernel`` with STORE_E) computes each logit tile once in fp32 and writes
-   ``exp(z - m_tile)`` into the chunk's (R, V) buffer, and each tile's row max ``m_tile``;
+1. the sweep (``lse_sweep_kernel``, one tile per split, STORE_E) computes each logit tile once in
+   fp32 and writes ``exp(z - m_tile)`` into the chunk's (R, V) buffer, with the per-tile statistics;
 2. the merge gives the rows' lse (merged across ranks for a vocabulary shard);
 3. ``softmax_gradient_kernel`` turns the buffer into da in place (the input dtype);
 4. grad_hidden[rows] = da @ weight and grad_weight (+)= da^T @ hidden[rows], fp32 accumulation
@@ -107,7 +107,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
         e = buffer[:r]
-        stats, tile_max = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e)
+        stats, tile_stats = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e)
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)
@@ -120,7 +120,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             chunk_unscale = None
         da = e  # in place
         softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
-            e, da, tile_max, stats.lse2, coef, stats.z_target, targets[sl],
+            e, da, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
             class_weight if class_weight is not None else coef, dbias if need_db else coef,
             0, r, v, r, e.stride(0), da.stride(0), targets.stride(0), float(opts.logit_scale),
             float(opts.softcap) if opts.softcap is not None else 1.0, shard.offset if shard is not None else 0,

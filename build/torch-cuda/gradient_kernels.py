@@ -1,6 +1,6 @@
 """The chunked path's second kernel: a chunk's stored exponentials become the logits' gradient, in place.
 
-The forward sweep (``forward_kernels.lse_sweep_kernel`` with STORE_E) leaves, for
+The forward sweep (``forward_kernels.lse_sweep_kernel`` with STORE_E, one tile per split) leaves, for
 every element of a chunk of rows, ``e = exp(z - m_tile)`` rounded to the buffer's dtype, where
 ``m_tile`` is the max of its (BLOCK_N, BLOCK_V) tile; with a softcap ``e`` already carries the
 softcap's derivative ``1 - (z / c)^2``. Once the rows' log-sum-exp is known,
@@ -25,7 +25,7 @@ from .logits import label_terms, round_to, store_dlogits
 def softmax_gradient_kernel(
     e_ptr,  # (R, V) in: exp(z - m_tile) [* softcap'(z)], the input dtype
     da_ptr,  # (R, V) out, the input dtype; the same memory as e_ptr (in place)
-    tile_max_ptr,  # (T, R) fp32: each tile's row max m_tile (written by the sweep)
+    tile_max_ptr,  # (T, R) fp32: each tile's row max m_tile (plane 0 of the sweep's statistics)
     lse_ptr,  # (2, N) fp32: row max m and log-sum (rows row0 .. row0 + R of them)
     coef_ptr,  # (3, R) fp32: A, B, C of the chunk's rows
     z_target_ptr,  # (N,) fp32: the target logit (0 when another shard holds it, NaN out of range)

@@ -83,10 +83,11 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
 
 
 def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None):
-    """Runs the sweep and the merge; returns (RowStats, each tile's row max or None).
+    """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
-    With ``e_out`` ((N, V) buffer) the tiles also store exp(z - m_tile) there (the chunked path),
-    and each tile's row max m_tile, (T, N) fp32, is the second result."""
+    With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
+    exp(z - m_tile) there (the chunked path); plane 0 of the per-split statistics, (T, N), is then
+    each tile's row max."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
@@ -106,14 +107,12 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     cfg = configs.sweep_config(hidden.dtype, chunked=e_out is not None)
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
-    one_tile = e_out is not None and not configs.CHUNKED_MULTI_TILE
-    if one_tile:
-        splits, tiles_per_split = n_tiles, 1
-    else:
+    if e_out is None:
         splits = configs.vocab_splits(n_blocks, n_tiles, device, resident=cfg.resident)
         tiles_per_split = triton.cdiv(n_tiles, splits)
         splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
-    tile_max = _new((n_tiles, n), torch.float32, device) if e_out is not None else None
+    else:
+        splits, tiles_per_split = n_tiles, 1
     # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz).
     n_stats = NUM_STATS if smoothing else (5 if metrics else 3)
     stats = _new((n_stats, splits, n), torch.float32, device)
@@ -121,12 +120,11 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     bias_arg, stride_b = _bias_args(bias, hidden)
     softcap = float(opts.softcap) if opts.softcap is not None else 1.0
 
-    group_m = cfg.group_m if one_tile else 0  # one tile a program: the grouped 1-D grid
+    group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
     grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
     lse_sweep_kernel[grid](
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
-        tile_max if tile_max is not None else stats,
         n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset,
@@ -144,7 +142,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     )
     if shard is not None:
         parallel.merge_stats(stats_out, shard, metrics)
-    return stats_out, tile_max
+    return stats_out, stats
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:

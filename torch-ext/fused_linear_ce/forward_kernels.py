@@ -3,9 +3,9 @@
 Nothing of size (N, V) is written: each program keeps its rows' running statistics in registers
 and writes O(BLOCK_N) numbers per vocabulary split; a second tiny kernel merges the splits.
 
-The chunked path (``chunked.py``) runs the same kernel with STORE_E: each tile also writes
-``exp(z - m_tile)`` (times the softcap's derivative) for its chunk of rows and its row max
-``m_tile``, which ``gradient_kernels.py`` then turns into the logits' gradient in place.
+The chunked path (``chunked.py``) runs the same kernel with one tile per split and STORE_E: each
+tile also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its chunk of rows, which
+``gradient_kernels.py`` then turns into the logits' gradient in place.
 """
 
 import triton
@@ -28,9 +28,8 @@ def lse_sweep_kernel(
     class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 out
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
-    e_ptr,  # (N, V) out when STORE_E: exp(z - tile max) [* softcap'(z)]
+    e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
     stride_e,
-    tile_max_ptr,  # (T, N) fp32 out when STORE_E: each vocabulary tile's row max
     N,
     V,
     H,
@@ -104,22 +103,16 @@ def lse_sweep_kernel(
             tile_max = tl.max(z, axis=1)
             m_new = tl.maximum(m, tile_max)
             alpha = tl.exp(m - m_new)
-            if STORE_E:
-                # Relative to the tile's own max (what the gradient kernel rescales), then to the
-                # running max per row: the same exponentials as below when a split is one tile.
-                e_tile = tl.exp(z - tile_max[:, None])
-                e_out = e_tile
+            e = tl.exp(z - m_new[:, None])
+            s = s * alpha + tl.sum(e, axis=1)
+            if STORE_E:  # one tile per split (the host guarantees it): m_new is this tile's max
+                e_out = e
                 if HAS_SOFTCAP:
                     tc = z / softcap
-                    e_out = tl.where(mask_v[None, :], e_tile * (1.0 - tc * tc), 0.0)
+                    e_out = tl.where(mask_v[None, :], e * (1.0 - tc * tc), 0.0)
                 e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :]
                 tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, EMULATE_ROUNDING),
                          mask=mask_n[:, None] & mask_v[None, :])
-                tl.store(tile_max_ptr + vt.to(tl.int64) * N + offs_n, tile_max, mask=mask_n)
-                e = e_tile * tl.exp(tile_max - m_new)[:, None]
-            else:
-                e = tl.exp(z - m_new[:, None])
-            s = s * alpha + tl.sum(e, axis=1)
             is_target = (offs_v[None, :] + vocab_offset == target[:, None]) & mask_v[None, :]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             if SMOOTHING:
