@@ -337,7 +337,7 @@ def main(argv=None):
     ap.add_argument("--methods", default="*", help="comma-separated names or globs, e.g. 'flce*,torch' (default all)")
     ap.add_argument("--settings", default=None, help="extra settings of ours: chunk_bytes of the recompute path "
                     "(64M) or of the chunked path (chunked:1G, chunked:whole); default "
-                    "64M,1G,chunked:256M,chunked:1G,chunked:whole")
+                    "64M,128M,1G,chunked:256M,chunked:1G,chunked:whole")
     ap.add_argument("--ref-precision", choices=("tf32", "ieee"), default="tf32", help="fp32 reference matmuls (default %(default)s)")
     ap.add_argument("--tiny", action="store_true", help="one tiny shape; runs on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--quick", action="store_true", help="fewer timing reps")
@@ -354,7 +354,7 @@ def main(argv=None):
         ap.error("no CUDA GPU: only --tiny runs on the CPU")
     dists = [d.strip() for d in args.dists.split(",") if d.strip()]
     settings_text = args.settings or ("4K,chunked:4K,chunked:whole" if args.tiny
-                                      else "64M,1G,chunked:256M,chunked:1G,chunked:whole")
+                                      else "64M,128M,1G,chunked:256M,chunked:1G,chunked:whole")
     settings = [parse_setting(s) for s in settings_text.split(",") if s.strip()]
 
     notes = []
