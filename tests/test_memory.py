@@ -6,7 +6,8 @@ The bound, from the code (``launch.py``, ``ops.py``, ``losses.py``), above the i
 - the gradients being returned: N x H + V x H in the input dtype;
 - the largest ``extra_bytes`` of ``configs.plan_passes(...)``: the da block (rows x cols, input
   dtype) plus the fp32 accumulator of whichever gradient is summed over blocks (N x H or V x H; none
-  when the plane fits or in two passes), at most ``chunk_bytes``;
+  when the plane fits, in two passes, or when the N x H one lives in grad_weight's memory), at most
+  ``chunk_bytes``;
 - O(N): the forward's partial statistics (NUM_STATS x SPLIT x N fp32, SPLIT from
   ``configs.vocab_splits``), and per-row fp32 / int64 / bool vectors (lse, target logit, loss terms,
   target weights, the backward's (3, N) coefficients and their temporaries), fewer than 32 of them;
@@ -23,8 +24,8 @@ allocator: a 1000-call run on the H200 (2026-11-30) peaked at 544 MiB, 120 MiB a
 which is not attributed; CUBLAS_SLACK covers it.
 
 Expected on an H200: ~5 ms a call, ~15 s in all; peak above the inputs ~410 MiB at the default
-setting (the whole 250 MiB plane in one block) and ~160 MiB at 16 MiB (two passes: 16 MiB blocks,
-no accumulator).
+setting (the whole 250 MiB plane in one block); at 16 MiB the N x H accumulator (32 MiB) lives in
+grad_weight's memory (V >= 2N), so the extra is the 16 MiB blocks and the O(N) part.
 """
 
 import pytest

@@ -91,8 +91,10 @@ def fused_linear_cross_entropy(
         chunk_bytes: the memory knob (default 256 MiB). On the recompute path, the most bytes the
             backward's gradient-of-logits blocks and fp32 accumulators take together, at any N: it
             walks the (N, V) plane in blocks of whole vocabulary rows or whole batch columns, in one
-            pass when an fp32 accumulator (N x H or V x H) fits in half the budget, else in two
-            passes without one (grad_hidden, then grad_weight: the logits are recomputed once more).
+            pass when an fp32 accumulator (N x H or V x H) fits in half the budget; else, for 16-bit
+            inputs with V >= 2N, in one pass with the N x H accumulator in grad_weight's own memory;
+            else in two passes without one (grad_hidden, then grad_weight: the logits are recomputed
+            once more).
             fp32 inputs accumulate in their own gradients. On the chunked path it bounds the buffer
             of one chunk of rows instead. Larger means fewer, larger products; see the README for
             measured time against memory.
