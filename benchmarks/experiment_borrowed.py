@@ -21,11 +21,10 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
-from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
 
-from tune import problem, rel  # noqa: E402
+from experiment_common import MiB, kernel_times, measure, reference  # noqa: E402
+from tune import problem  # noqa: E402
 
-MiB = 1 << 20
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
 PLANNER = configs.plan_passes
 
@@ -61,9 +60,7 @@ def main():
     for shape in args.shapes:
         n, h, v = SHAPES[shape]
         hidden, weight, targets = problem(n, h, v)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        ref_loss, count, ref_dx, ref_dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=2048)
-        ref_loss, ref_dx, ref_dw = ref_loss / count, ref_dx / count, ref_dw / count
+        ref = reference(hidden, weight, targets)
         grads_bytes = hidden.numel() * 2 + weight.numel() * 2
 
         def step(fn):
@@ -104,40 +101,15 @@ def main():
             else:
                 desc = "peer"
             try:
-                loss, dx, dw = step(fn)
-                err = dict(dx=rel(dx, ref_dx), dw=rel(dw, ref_dw),
-                           loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-                del loss, dx, dw
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step(fn)
-                extra = (torch.cuda.max_memory_allocated() - base - grads_bytes) / MiB
-                ms = triton.testing.do_bench(lambda: step(fn), warmup=3, rep=40)
-                rows.append(dict(shape=shape, name=name, plan=desc, ms=ms, extra_mib=extra, matmul_ms=mm, **err))
+                rows.append(dict(shape=shape, name=name, plan=desc, matmul_ms=mm, **measure(step, fn, ref, grads_bytes)))
             except Exception as exc:
                 rows.append(dict(shape=shape, name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             print(rows[-1], flush=True)
         configs.plan_passes = PLANNER
 
         if shape == "S1":
-            from torch.profiler import ProfilerActivity, profile
-
-            fn = variants["64M-planner"][0]
-            step(fn)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step(fn)
-                torch.cuda.synchronize()
-            agg = {}
-            for e in prof.events():
-                if e.device_type.name == "CUDA":
-                    key = e.name.split("(")[0][:48]
-                    agg[key] = agg.get(key, 0.0) + e.device_time_total / 1e3
-            kernels["S1-64M-planner"] = dict(sorted(agg.items(), key=lambda kv: -kv[1])[:10])
+            kernels["S1-64M-planner"] = kernel_times(lambda: step(variants["64M-planner"][0]))
             print(kernels, flush=True)
-        del hidden, weight, targets, ref_dx, ref_dw
         torch.cuda.empty_cache()
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
 from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
 
+from experiment_common import kernel_times  # noqa: E402
 from tune import problem, rel  # noqa: E402 - the same inputs and error measure as tune.py
 
 MiB = 1 << 20
@@ -111,24 +112,11 @@ def main():
     da = torch.randn(n, v, device=dev).bfloat16()
     rows.append(dict(name="cublas-dx(da@W)", ms=triton.testing.do_bench(lambda: da @ weight, warmup=20, rep=100)))
     rows.append(dict(name="cublas-dw(da^T@X)", ms=triton.testing.do_bench(lambda: da.t() @ hidden, warmup=20, rep=100)))
-    del da
 
     # Per kernel, one step of each path
-    from torch.profiler import ProfilerActivity, profile
-
     kernels = {}
     for name in ("recompute-256M", "chunked-whole"):
-        step(**variants[name])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step(**variants[name])
-            torch.cuda.synchronize()
-        agg = {}
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                key = e.name.split("(")[0][:40]
-                agg[key] = agg.get(key, 0.0) + e.device_time_total / 1e3
-        kernels[name] = dict(sorted(agg.items(), key=lambda kv: -kv[1])[:8])
+        kernels[name] = kernel_times(lambda: step(**variants[name]), top=8, width=40)
         print(name, kernels[name], flush=True)
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

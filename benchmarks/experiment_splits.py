@@ -51,7 +51,6 @@ def main():
                              model=waves * per, ideal=blocks * tiles / sms))
             print(rows[-1], flush=True)
         configs.vocab_splits = REAL
-        del hidden, weight, targets
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, sms=sms)
     Path(args.out).mkdir(parents=True, exist_ok=True)
