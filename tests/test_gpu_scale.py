@@ -40,9 +40,22 @@ def test_llama_shape_bf16_against_fp32_reference(peaked, chunk_bytes):
     assert rel_err(wd.grad, ref_dw / count) < 3e-3
 
 
-def test_rare_vocabulary_row_gets_its_gradient_from_one_token():
+# Every plan of the backward at this size (configs.plan_passes, GPU tiles) and the chunked path.
+RARE_ROW_SETTINGS = {
+    "default": dict(),  # auto: the chunked path in one chunk (the 250 MiB plane fits in 256 MiB)
+    "recompute": dict(strategy="recompute"),  # the whole plane in one block
+    "64MiB": dict(chunk_bytes=64 << 20),  # recompute: the N x H accumulator in half the budget
+    "16MiB": dict(chunk_bytes=16 << 20),  # recompute: the accumulator in grad_weight's memory
+    "1MiB": dict(chunk_bytes=1 << 20),  # recompute: token blocks, V x H accumulator
+    "chunked-64MiB": dict(strategy="chunked", chunk_bytes=64 << 20),  # 4 chunks summed in fp32
+}
+
+
+@pytest.mark.parametrize("setting", list(RARE_ROW_SETTINGS))
+def test_rare_vocabulary_row_gets_its_gradient_from_one_token(setting):
     """One class is the target of a single token among 4096: its weight-gradient row is that token's
-    (p - 1) * hidden plus the tiny softmax mass of the others; fp32 accumulation keeps it exact."""
+    (p - 1) * hidden plus the tiny softmax mass of the others; fp32 accumulation keeps it exact, in
+    every setting (hidden takes a gradient too, so that the plans that sum grad_hidden run)."""
     n, h, v = 4096, 1024, 32000
     hidden, weight, targets = _inputs(n, h, v, peaked=True, seed=1)
     targets[targets == 7] = 8
@@ -50,7 +63,6 @@ def test_rare_vocabulary_row_gets_its_gradient_from_one_token():
     total, count, _, ref_dw, _ = chunked_linear_cross_entropy(
         hidden, weight, targets, chunk=1024, compute_dtype=torch.float64
     )
-    for chunk_bytes in (None, 1 << 20):
-        wd = weight.clone().requires_grad_(True)
-        fused_linear_cross_entropy(hidden, wd, targets, reduction="sum", chunk_bytes=chunk_bytes).backward()
-        assert rel_err(wd.grad[7], ref_dw[7]) < 3e-3
+    hd, wd = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    fused_linear_cross_entropy(hd, wd, targets, reduction="sum", **RARE_ROW_SETTINGS[setting]).backward()
+    assert rel_err(wd.grad[7], ref_dw[7]) < 3e-3

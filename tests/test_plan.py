@@ -101,3 +101,16 @@ def test_one_gradient_family_needs_one_pass_without_accumulator():
 def test_fp32_passes_are_the_one_pass_plan():
     assert _passes(77, 96, 500, 16 * 500 * 4, dtype=torch.float32, block_n=BLOCK_N) == (
         configs.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V),)
+
+
+def test_the_rare_row_settings_take_the_plans_they_name():
+    """test_gpu_scale's rare-row test covers every plan through these budgets (GPU tiles 128 x 256)."""
+    n, h, v = 4096, 1024, 32000
+    (whole,) = _passes(n, h, v, None)
+    assert (whole.rows, whole.cols) == (n, v)
+    (in_budget,) = _passes(n, h, v, 64 << 20)
+    assert in_budget.dx_accumulator and not in_budget.borrowed
+    (borrowed,) = _passes(n, h, v, 16 << 20)
+    assert borrowed.borrowed
+    (token,) = _passes(n, h, v, 1 << 20)
+    assert token.dw_accumulator and token.cols == v
