@@ -11,7 +11,6 @@ kernel of the 64 MiB plan at S1. Prints a table last; writes experiment_borrowed
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
 
-from experiment_common import MiB, kernel_times, measure, reference  # noqa: E402
+from experiment_common import MiB, kernel_times, measure, reference, write_results  # noqa: E402
 from tune import problem  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
@@ -112,19 +111,7 @@ def main():
             print(kernels, flush=True)
         torch.cuda.empty_cache()
 
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "experiment_borrowed.json").write_text(json.dumps(dict(meta=meta, rows=rows, kernels=kernels),
-                                                                      indent=1))
-    print(f"\n{meta}")
-    print(f"{'shape':5s} {'variant':16s} {'plan':34s} {'ms':>7s} {'MiB':>6s} {'dx':>8s} {'dw':>8s}")
-    for r in rows:
-        if "ms" in r:
-            print(f"{r['shape']:5s} {r['name']:16s} {r['plan'][:34]:34s} {r['ms']:7.2f} {r['extra_mib']:6.0f} "
-                  f"{r['dx']:8.1e} {r['dw']:8.1e}")
-        else:
-            print(f"{r['shape']:5s} {r['name']:16s} {r.get('same_as', r.get('error', ''))[:60]}")
-
+    write_results(args.out, "experiment_borrowed.json", rows, kernels=kernels)
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,16 @@
 """What the one-call experiment scripts share: the fp32 reference, one variant's errors / time /
 extra memory, and per-kernel times of one step. Inputs and the error measure are ``tune.py``'s."""
 
+import sys
+from pathlib import Path
+
 import torch
 import triton.testing
 
-from fused_linear_ce.reference import chunked_linear_cross_entropy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
 
-from tune import rel
+from tune import rel  # noqa: E402
 
 MiB = 1 << 20
 
@@ -50,3 +54,22 @@ def kernel_times(run, top=10, width=48):
             key = e.name.split("(")[0][:width]
             agg[key] = agg.get(key, 0.0) + e.device_time_total / 1e3
     return dict(sorted(agg.items(), key=lambda kv: -kv[1])[:top])
+
+
+def write_results(out_dir, filename, rows, **extra):
+    """Writes {meta, rows, **extra} as JSON under ``out_dir`` and prints the rows as a table last."""
+    import json
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / filename).write_text(json.dumps(dict(meta=meta, rows=rows, **extra), indent=1))
+    nan = float("nan")
+    print(f"\n{meta}\n{'shape':5s} {'variant':32s} {'plan':28s} {'ms':>7s} {'x mm':>6s} {'MiB':>6s} {'dx':>8s} {'dw':>8s}")
+    for r in rows:
+        head = f"{r['shape']:5s} {r['name']:32s}"
+        if "ms" in r:
+            ratio = r["ms"] / r["matmul_ms"] if r.get("matmul_ms") else nan
+            print(f"{head} {r.get('plan', '')[:28]:28s} {r['ms']:7.2f} {ratio:6.2f} {r.get('extra_mib', nan):6.0f} "
+                  f"{r.get('dx', nan):8.1e} {r.get('dw', nan):8.1e}")
+        else:
+            print(f"{head} {r.get('same_as', r.get('error', ''))[:80]}")

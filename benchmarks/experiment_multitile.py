@@ -13,7 +13,6 @@ off). Prints a table last; writes experiment_multitile.json under --out.
 """
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -25,7 +24,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
 
-from experiment_common import MiB, measure, reference  # noqa: E402
+from experiment_common import MiB, measure, reference, write_results  # noqa: E402
 from tune import problem  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
@@ -91,17 +90,7 @@ def main():
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
 
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "experiment_multitile.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"\n{meta}\n{'shape':5s} {'variant':32s} {'ms':>7s} {'x mm':>6s} {'MiB':>6s} {'dx':>8s} {'dw':>8s}")
-    for r in rows:
-        if "ms" in r:
-            print(f"{r['shape']:5s} {r['name']:32s} {r['ms']:7.2f} {r['ms'] / r['matmul_ms']:6.2f} "
-                  f"{r.get('extra_mib', float('nan')):6.0f} {r.get('dx', float('nan')):8.1e} {r.get('dw', float('nan')):8.1e}")
-        else:
-            print(f"{r['shape']:5s} {r['name']:32s} {r['error'][:80]}")
-
+    write_results(args.out, "experiment_multitile.json", rows)
 
 if __name__ == "__main__":
     main()
