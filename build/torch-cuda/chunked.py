@@ -136,8 +136,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         elif need_dw:
             _product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
         if need_db:
-            block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
-            db_acc += block_sum if chunk_unscale is None else block_sum * chunk_unscale
+            launch.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 
     if need_dx and shard is not None:
         parallel.all_reduce(dx_acc, shard)

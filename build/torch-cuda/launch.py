@@ -202,6 +202,13 @@ def _rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, uns
     scale(product, unscale, out=out)
 
 
+def add_bias_sums(db_acc: torch.Tensor, dbias: torch.Tensor, rows: int, block_n: int, unscale=None) -> None:
+    """db_acc (fp32, (V,)) += the column sums of da over ``rows`` rows, from the kernels' per-row-block
+    partial sums ``dbias`` ((row blocks, V) fp32), times ``unscale`` when given."""
+    block_sum = dbias[: triton.cdiv(rows, block_n)].sum(0)
+    db_acc += block_sum if unscale is None else block_sum * unscale
+
+
 def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     """A power of two that lifts fp16 da out of the subnormal range, and its inverse (fp32 tensors).
 
@@ -339,8 +346,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
             if i < len(clear):
                 weight_grad(da, col0, c)
         if need_db:  # every column of the one row block's partial sums is written now
-            block_sum = dbias[: triton.cdiv(n, cfg.block_n)].sum(0)
-            db_acc += block_sum if unscale is None else block_sum * unscale
+            add_bias_sums(db_acc, dbias, n, cfg.block_n, unscale)
         finish_grad_hidden()  # the accumulator is spent: grad_weight's last rows are free
         weight_grad(da, *over[-1])
         for col0, c in over[:-1]:
@@ -367,8 +373,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                 elif p_dw:
                     matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
             if p_db:
-                block_sum = dbias[: triton.cdiv(r, cfg.block_n)].sum(0)
-                db_acc += block_sum if unscale is None else block_sum * unscale
+                add_bias_sums(db_acc, dbias, r, cfg.block_n, unscale)
         del dlogits, dbias, da  # the next pass's blocks take their place
 
     if not borrowed:
