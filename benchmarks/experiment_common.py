@@ -40,7 +40,8 @@ def measure(step, fn, ref, grads_bytes):
 
 
 def kernel_times(run, top=10, width=48):
-    """Per-kernel GPU time (ms) of one ``run()`` under the profiler, the ``top`` largest."""
+    """Per-kernel GPU time (ms) of one ``run()`` under the profiler, the ``top`` largest, and the sum
+    over every kernel (``(all kernels)``)."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -53,7 +54,8 @@ def kernel_times(run, top=10, width=48):
         if e.device_type.name == "CUDA":
             key = e.name.split("(")[0][:width]
             agg[key] = agg.get(key, 0.0) + e.device_time_total / 1e3
-    return dict(sorted(agg.items(), key=lambda kv: -kv[1])[:top])
+    top_kernels = dict(sorted(agg.items(), key=lambda kv: -kv[1])[:top])
+    return {**top_kernels, "(all kernels)": sum(agg.values())}
 
 
 def write_results(out_dir, filename, rows, **extra):

@@ -1,13 +1,13 @@
 """Gradient semantics (issue 3): accumulation into existing ``.grad``, gradients (and their products)
 only for inputs that require them, forward-only under ``no_grad`` / ``inference_mode``, and a clear
-error on double backward. Spies on ``launch`` record which kernels and products actually run."""
+error on double backward. Spies on ``launch``, ``chunked`` and ``products`` record which kernels and products actually run."""
 
 import pytest
 import torch
 
 from cases import Case, make_inputs
 from conftest import DEVICE
-from fused_linear_ce import chunked, fused_linear_cross_entropy, launch
+from fused_linear_ce import chunked, fused_linear_cross_entropy, launch, products
 
 LEAVES = ("hidden", "weight", "bias")
 
@@ -69,47 +69,24 @@ def spies(monkeypatch):
     """Records which gradient product runs ("dx": da @ weight, "dw": da^T @ hidden) and each launch
     of the kernels that form da (the recompute path's dlogits, the chunked path's in-place one)
     with its BIAS_GRAD flag."""
-    products, dlogits = [], _KernelSpy(launch.dlogits_kernel)
+    dlogits = _KernelSpy(launch.dlogits_kernel)
     in_place = _KernelSpy(chunked.softmax_gradient_kernel)
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", in_place)
-    real_matmul = launch.matmul
 
-    def matmul(a, b, c, *args, **kwargs):
-        products.append(b.untyped_storage().data_ptr())
-        return real_matmul(a, b, c, *args, **kwargs)
+    def spy(name):  # every product entry point records its second operand's storage
+        real = getattr(products, name)
 
-    monkeypatch.setattr(launch, "matmul", matmul)
-    real_rows_product = launch._rows_product
+        def run(a, b, *args, **kwargs):
+            products_run.append(b.untyped_storage().data_ptr())
+            return real(a, b, *args, **kwargs)
 
-    def rows_product(da, weight, out, unscale):  # the two-pass plan's grad_hidden product
-        products.append(weight.untyped_storage().data_ptr())
-        return real_rows_product(da, weight, out, unscale)
+        monkeypatch.setattr(products, name, run)
 
-    monkeypatch.setattr(launch, "_rows_product", rows_product)
-    real_accumulate = launch._accumulate
-
-    def accumulate(a, b, acc, first):  # 16-bit products summed over blocks in fp32 (cuBLAS)
-        products.append(b.untyped_storage().data_ptr())
-        return real_accumulate(a, b, acc, first)
-
-    monkeypatch.setattr(launch, "_accumulate", accumulate)
-    real_product = chunked._product
-
-    def product(a, b, out, *args):  # the chunked path's products (torch.mm or launch.matmul)
-        if out.dtype == a.dtype and not args[0] and args[1] is None:
-            products.append(b.untyped_storage().data_ptr())
-        return real_product(a, b, out, *args)
-
-    monkeypatch.setattr(chunked, "_product", product)
-    real_mm = chunked._mm
-
-    def mm(a, b):  # the chunked path's one-chunk weight-gradient product
-        products.append(b.untyped_storage().data_ptr())
-        return real_mm(a, b)
-
-    monkeypatch.setattr(chunked, "_mm", mm)
+    products_run = []
+    for name in ("matmul", "direct", "accumulate", "rows_product"):
+        spy(name)
     monkeypatch.setattr(launch, "dlogits_kernel", dlogits)
-    return products, dlogits, in_place
+    return products_run, dlogits, in_place
 
 
 GRAD_SUBSETS = [("hidden",), ("weight",), ("bias",), ("hidden", "weight"), ("weight", "bias"), LEAVES]

@@ -8,7 +8,7 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
 2. the merge gives the rows' lse (merged across ranks for a vocabulary shard);
 3. ``softmax_gradient_kernel`` turns the buffer into da in place (the input dtype);
 4. grad_hidden[rows] = da @ weight and grad_weight (+)= da^T @ hidden[rows], fp32 accumulation
-   (cuBLAS through torch.mm where the output is the input dtype); the common factor (1 / sum of
+   (``products``: cuBLAS for bf16 where the output is the input dtype); the common factor (1 / sum of
    target weights for "mean") is in da's fp32 value before its one rounding (fp16: applied in the
    products' epilogue with the power of two that keeps da out of the subnormals).
 
@@ -21,7 +21,7 @@ the rounding of da.
 import torch
 import triton
 
-from . import configs, launch, losses, parallel
+from . import configs, launch, losses, parallel, products
 from .gradient_kernels import softmax_gradient_kernel
 from .launch import RowStats, _new
 from .validate import Options, chunked_unsupported
@@ -36,21 +36,6 @@ def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs) -> bool:
     if opts.strategy == "chunked":
         return True
     return chunked_unsupported(opts) is None and n * v * dtype.itemsize <= configs.chunk_budget(opts.chunk_bytes)
-
-
-def _product(a, b, out, accumulate, unscale):
-    """out (+)= (a @ b) [* unscale], fp32 accumulation: torch.mm (cuBLAS on a GPU) when the output is
-    in the operands' dtype and nothing is added or scaled, else the package's own matmul (fp32
-    outputs, accumulation across chunks, the fp16 unscaling)."""
-    if not accumulate and unscale is None and out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
-        launch.matmul(a, b, out, accumulate, unscale)
-
-
-def _mm(a, b):
-    """a @ b as a new tensor (torch.mm: cuBLAS on a GPU, fp32 accumulation)."""
-    return torch.mm(a, b)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,8 +74,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if need_dx and shard is not None and out_dtype != torch.float32:
         dx_acc = _new((n, h), torch.float32, device)  # summed over ranks in fp32
     grad_weight = dw_acc = None
-    # One chunk in the input dtype: grad_weight is torch.mm's own result (an out= of another layout
-    # can cost torch a temporary of the output's size), allocated when the product runs.
+    # One chunk in the input dtype: grad_weight is the product's own result (``products.direct``),
+    # allocated when the product runs.
     direct_dw = need_dw and n_chunks == 1 and out_dtype == dtype
     if need_dw and not direct_dw:
         grad_weight = _new((v, h), out_dtype, device)
@@ -130,11 +115,11 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             num_warps=8 if not configs.interpreted() else 1,
         )
         if need_dx:
-            _product(da, weight, dx_acc[sl], False, chunk_unscale)
+            products.product(da, weight, dx_acc[sl], False, chunk_unscale)
         if direct_dw:
-            grad_weight = _mm(da.t(), hidden[sl])
+            grad_weight = products.direct(da.t(), hidden[sl])
         elif need_dw:
-            _product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
+            products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
         if need_db:
             launch.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 

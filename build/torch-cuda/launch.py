@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import configs, parallel
-from .backward_kernels import dlogits_kernel, matmul_kernel
+from . import configs, parallel, products
+from .backward_kernels import dlogits_kernel
 from .forward_kernels import NUM_STATS, combine_kernel, lse_sweep_kernel
-from .gradient_kernels import scale_kernel
 from .validate import Options
 
 # The merge kernel's tile: rows per program x splits per step (memory-bound and small).
@@ -25,19 +24,10 @@ def _new(shape, dtype, device) -> torch.Tensor:
     return out
 
 
-def _dot_flags(dtype: torch.dtype) -> dict:
-    """BF16_EMULATION: bf16 under the interpreter, whose tl.dot and fp32->bf16 cast are not the
-    GPU's (see ``logits.round_to`` / ``logits.logit_tile``)."""
-    return dict(
-        BF16_EMULATION=configs.interpreted() and dtype == torch.bfloat16,
-        INPUT_PRECISION=configs.input_precision(dtype),
-    )
-
-
 def logit_flags(dtype: torch.dtype) -> dict:
-    """For kernels that compute logits: ``_dot_flags`` and no fused multiply-add contraction where
+    """For kernels that compute logits: ``products.dot_flags`` and no fused multiply-add contraction where
     ``configs.fp_fusion`` says so, so that every kernel rounds z = scale * acc (- m) the same way."""
-    return dict(_dot_flags(dtype), enable_fp_fusion=configs.fp_fusion(dtype))
+    return dict(products.dot_flags(dtype), enable_fp_fusion=configs.fp_fusion(dtype))
 
 
 def _bias_args(bias, like):
@@ -145,63 +135,6 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     return stats_out, stats
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
-    """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
-    strides; ``unscale`` an optional fp32 (1,) device tensor."""
-    m, k = a.shape
-    p = b.shape[1]
-    if m == 0 or p == 0:
-        return
-    cfg = configs.matmul_config(a.dtype)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
-    matmul_kernel[grid](
-        a, b, c, unscale if unscale is not None else c, m, p, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
-        BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0,
-        EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(a.dtype),
-    )
-
-
-def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
-    """src * g in ``dtype`` (or into ``out``, contiguous rows): fp32 arithmetic, one rounding
-    (``gradient_kernels.scale_kernel``); ``g`` a 0-d or (1,) fp32 device tensor."""
-    if out is None:
-        out = torch.empty(src.shape, dtype=dtype, device=src.device)
-    numel = src.numel()
-    if numel:
-        block = 4096 if not configs.interpreted() else 1 << 16
-        scale_kernel[(triton.cdiv(numel, block),)](
-            src.contiguous(), out, g, numel, BLOCK=block, EMULATE_ROUNDING=configs.interpreted(),
-            num_warps=8 if not configs.interpreted() else 1,
-        )
-    return out
-
-
-def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
-    """acc (+)= a @ b into an fp32 accumulator (contiguous rows), fp32 accumulation, nothing
-    rounded to the input dtype: cuBLAS with an fp32 result on a GPU (``out_dtype``), an fp32
-    product of the upcast operands elsewhere (exact products, fp32 sums)."""
-    if a.device.type != "cuda":
-        a, b = a.float(), b.float()
-    kwargs = dict(out_dtype=torch.float32) if a.device.type == "cuda" else {}
-    if first:
-        torch.mm(a, b, out=acc, **kwargs)
-    else:
-        torch.addmm(acc, a, b, out=acc, **kwargs)
-
-
-def _rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale: torch.Tensor) -> None:
-    """out = (da @ weight) * unscale for a block of whole vocabulary rows (the two-pass plan's
-    first pass): cuBLAS with an fp32 result (``_accumulate``; it splits the long V reduction across
-    the GPU, which a block of few rows needs), then one scaling kernel, one rounding. The fp32
-    (rows, H) result is small next to the da block (H / V of it, times 2)."""
-    product = torch.empty((da.shape[0], weight.shape[1]), dtype=torch.float32, device=da.device)
-    _accumulate(da, weight, product, True)
-    scale(product, unscale, out=out)
-
-
 def add_bias_sums(db_acc: torch.Tensor, dbias: torch.Tensor, rows: int, block_n: int, unscale=None) -> None:
     """db_acc (fp32, (V,)) += the column sums of da over ``rows`` rows, from the kernels' per-row-block
     partial sums ``dbias`` ((row blocks, V) fp32), times ``unscale`` when given."""
@@ -250,11 +183,12 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself (16-bit: cuBLAS
-    products into it, the common factor applied in its one final rounding). The grad_hidden
-    accumulator may live in grad_weight's own memory (``BackwardPlan.borrowed``).
+    products into it). The grad_hidden accumulator may live in grad_weight's own memory
+    (``BackwardPlan.borrowed``). Who runs each product: ``products``.
     ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
-    shared by every row (losses.coefficients), applied to the products in fp32 rather than rounded
-    into da. With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32
+    shared by every row (losses.coefficients): bf16 takes it into da's fp32 value before da's one
+    rounding, so its products need no epilogue; fp16 and fp32 apply it to the products in fp32
+    (fp16's da also carries a power-of-two lift out of the subnormals, undone there). With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32
     (every rank gets the full grad_hidden); grad_weight and grad_bias are the shard's own.
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
@@ -292,11 +226,13 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         lift, inverse = fp16_gradient_scale(coef, class_weight, opts.logit_scale)
         coef = coef * lift
         unscale = inverse if unscale is None else unscale * inverse
+    elif dtype == torch.bfloat16 and unscale is not None:  # the common factor in da's fp32 value,
+        coef, unscale = coef * unscale, None  # before its one rounding: products need no epilogue
 
     one = torch.ones((1,), dtype=torch.float32, device=device)
     unscale_or_one = unscale if unscale is not None else one
     # 16-bit inputs: products summed over blocks go to cuBLAS into the fp32 accumulator, unscaled;
-    # the common factor is applied once, in the accumulator's final rounding (``scale``).
+    # fp16's factor is applied once, in the accumulator's final rounding (``scale``).
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
     dw_deferred = need_dw and dw_acc is not grad_weight
 
@@ -329,7 +265,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                 dx_acc.zero_()
             parallel.all_reduce(dx_acc, shard)
         if need_dx and dx_acc is not grad_hidden:
-            scale(dx_acc, unscale_or_one if dx_deferred else one, out=grad_hidden)
+            products.scale(dx_acc, unscale_or_one if dx_deferred else one, out=grad_hidden)
 
     if borrowed:
         plan = passes[0]
@@ -338,11 +274,11 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         clear, over = _borrowed_order(v, plan.cols, first_borrowed_row)
 
         def weight_grad(da, col0, c):
-            matmul(da.t(), hidden, grad_weight[col0 : col0 + c], False, unscale)
+            products.product(da.t(), hidden, grad_weight[col0 : col0 + c], False, unscale)
 
         for i, (col0, c) in enumerate(clear + over):
             da = dlogits_block(dlogits, dbias, 0, n, col0, c, need_db)
-            _accumulate(da, weight[col0 : col0 + c], dx_acc, i == 0)
+            products.accumulate(da, weight[col0 : col0 + c], dx_acc, i == 0)
             if i < len(clear):
                 weight_grad(da, col0, c)
         if need_db:  # every column of the one row block's partial sums is written now
@@ -363,15 +299,15 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
                 c = min(plan.cols, v - col0)
                 da = dlogits_block(dlogits, dbias, row0, r, col0, c, p_db)
                 if p_dx and not plan.weight_grad:  # whole vocabulary rows: each row's gradient at once
-                    _rows_product(da, weight, dx_acc[row0 : row0 + r], unscale_or_one)
+                    products.rows_product(da, weight, dx_acc[row0 : row0 + r], unscale)
                 elif p_dx and dx_deferred:
-                    _accumulate(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 == 0)
+                    products.accumulate(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:
-                    matmul(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
+                    products.product(da, weight[col0 : col0 + c], dx_acc[row0 : row0 + r], col0 > 0, unscale)
                 if p_dw and dw_deferred:
-                    _accumulate(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 == 0)
+                    products.accumulate(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 == 0)
                 elif p_dw:
-                    matmul(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
+                    products.product(da.t(), hidden[row0 : row0 + r], dw_acc[col0 : col0 + c], row0 > 0, unscale)
             if p_db:
                 add_bias_sums(db_acc, dbias, r, cfg.block_n, unscale)
         del dlogits, dbias, da  # the next pass's blocks take their place
@@ -379,6 +315,6 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     if not borrowed:
         finish_grad_hidden()
     if need_dw and dw_acc is not grad_weight:
-        scale(dw_acc, unscale_or_one if dw_deferred else one, out=grad_weight)
+        products.scale(dw_acc, unscale_or_one if dw_deferred else one, out=grad_weight)
     grad_bias = db_acc.to(dtype) if need_db else None
     return grad_hidden, grad_weight, grad_bias

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, launch, losses, parallel
+from . import chunked, launch, losses, parallel, products
 from .validate import Options
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
@@ -135,11 +135,11 @@ def scale_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked path's backward: the gradients computed in the forward for an upstream gradient
     of 1 (``chunked.unit_dtype``), times the real one, in the leaves' dtypes, computed in fp32 with
-    one rounding (``launch.scale``, no fp32 copy of the gradient); exact
+    one rounding (``products.scale``, no fp32 copy of the gradient); exact
     when the upstream gradient is a power of two, as 1 is. An op without an autograd formula, like
     ``backward``: differentiating it again raises."""
     g = grad_loss.to(torch.float32)
-    return tuple(launch.scale(t, g, d) for t, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype),
+    return tuple(products.scale(t, g, d) for t, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype),
                                                    (grad_bias, bias_dtype)))
 
 

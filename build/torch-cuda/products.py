@@ -1,0 +1,138 @@
+"""The gradient products, and who runs each: every product's K reduction is summed in fp32, whatever
+runs it, and a 16-bit result is rounded once.
+
+- ``direct``: out = a @ b, a 16-bit result written straight into a gradient, nothing added or
+  scaled. bf16 goes to cuBLAS (``torch.mm``) with its reduced-precision reductions turned off for
+  the call (``full_precision_reductions``), so a split-K partial sum is never rounded to bf16.
+  fp16 (whose da carries a power-of-two lift the products undo) and fp32 (where cuBLAS would follow
+  the user's TF32 switch) go to ``matmul``.
+- ``product``: ``direct`` where it applies, else ``matmul``.
+- ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``).
+- ``rows_product``: a block of whole vocabulary rows' grad_hidden (a long V reduction that cuBLAS
+  splits across the GPU), scaled once.
+- ``matmul``: the package's Triton matmul, c (+)= (a @ b) [* unscale], for every other case.
+- ``scale``: src * g, fp32 arithmetic, one rounding.
+
+Off the GPU the cuBLAS calls become products of the upcast operands (exact), summed in fp32 and
+rounded once: what the GPU computes, up to the order of the sums.
+"""
+
+from contextlib import contextmanager
+
+import torch
+import triton
+
+from . import configs
+from .backward_kernels import matmul_kernel
+from .gradient_kernels import scale_kernel
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """BF16_EMULATION: bf16 under the interpreter, whose tl.dot and fp32->bf16 cast are not the
+    GPU's (see ``logits.round_to`` / ``logits.logit_tile``)."""
+    return dict(
+        BF16_EMULATION=configs.interpreted() and dtype == torch.bfloat16,
+        INPUT_PRECISION=configs.input_precision(dtype),
+    )
+
+
+@contextmanager
+def full_precision_reductions():
+    """cuBLAS may not round split-K partial sums to the 16-bit output type inside this block
+    (torch's allow_*_reduced_precision_reduction, True by default); the user's settings come back
+    after it."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
+    """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
+    strides; ``unscale`` an optional fp32 (1,) device tensor."""
+    m, k = a.shape
+    p = b.shape[1]
+    if m == 0 or p == 0:
+        return
+    cfg = configs.matmul_config(a.dtype)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
+    matmul_kernel[grid](
+        a, b, c, unscale if unscale is not None else c, m, p, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
+        BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(a.dtype),
+    )
+
+
+def direct(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = a @ b in the operands' dtype (a new tensor when ``out`` is None), fp32 accumulation,
+    one rounding; the runner as the module docstring says."""
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    if a.dtype != torch.bfloat16:
+        matmul(a, b, out, False)
+        return out
+    with full_precision_reductions():
+        if a.device.type == "cuda":
+            torch.mm(a, b, out=out)
+        else:
+            out.copy_(torch.mm(a.float(), b.float()))
+    return out
+
+
+def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:
+    """out (+)= (a @ b) [* unscale]: ``direct`` when the result goes straight into ``out`` in the
+    operands' dtype, else ``matmul``."""
+    if not accumulate and unscale is None and out.dtype == a.dtype:
+        direct(a, b, out)
+    else:
+        matmul(a, b, out, accumulate, unscale)
+
+
+def accumulate(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
+    """acc (+)= a @ b into an fp32 accumulator (contiguous rows), fp32 accumulation, nothing
+    rounded to the input dtype: cuBLAS with an fp32 result on a GPU (``out_dtype``), an fp32
+    product of the upcast operands elsewhere (exact products, fp32 sums)."""
+    if a.device.type != "cuda":
+        a, b = a.float(), b.float()
+    kwargs = dict(out_dtype=torch.float32) if a.device.type == "cuda" else {}
+    with full_precision_reductions():
+        if first:
+            torch.mm(a, b, out=acc, **kwargs)
+        else:
+            torch.addmm(acc, a, b, out=acc, **kwargs)
+
+
+def rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale) -> None:
+    """out = (da @ weight) [* unscale] for a block of whole vocabulary rows (the two-pass plan's
+    first pass), whose long V reduction cuBLAS splits across the GPU (a block of few rows has too
+    few output tiles for ``matmul``). Without ``unscale``: ``direct``, where bf16 takes cuBLAS.
+    Otherwise cuBLAS with an fp32 result, then one scaling kernel, one rounding; the fp32 (rows, H)
+    result is small next to the da block (H / V of it, times 2)."""
+    if unscale is None and out.dtype == da.dtype and da.dtype == torch.bfloat16:
+        direct(da, weight, out)
+        return
+    product = torch.empty((da.shape[0], weight.shape[1]), dtype=torch.float32, device=da.device)
+    accumulate(da, weight, product, True)
+    scale(product, unscale if unscale is not None else torch.ones((1,), device=da.device), out=out)
+
+
+def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
+    """src * g in ``dtype`` (or into ``out``, contiguous rows): fp32 arithmetic, one rounding
+    (``gradient_kernels.scale_kernel``); ``g`` a 0-d or (1,) fp32 device tensor."""
+    if out is None:
+        out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    numel = src.numel()
+    if numel:
+        block = 4096 if not configs.interpreted() else 1 << 16
+        scale_kernel[(triton.cdiv(numel, block),)](
+            src.contiguous(), out, g, numel, BLOCK=block, EMULATE_ROUNDING=configs.interpreted(),
+            num_warps=8 if not configs.interpreted() else 1,
+        )
+    return out
