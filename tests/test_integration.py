@@ -106,8 +106,11 @@ def test_num_items_in_batch_divides_the_summed_loss(as_tensor):
 
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 def test_num_items_in_batch_gradients_on_both_paths(strategy):
-    """The divisor is inside the op: the chunked path folds it into da before its one rounding, so a
-    count that is not a power of two costs no second rounding of the bf16 gradients."""
+    """The divisor is inside the op and is applied to the products (recompute: in fp32, one rounding;
+    chunked: right after them, two independent roundings), never rounded into da, where one rounding
+    error would repeat on every row (tests/test_rounding.py): each gradient is within 1.6x the error
+    of the exact gradient rounded once (1.8x on the chunked path, which also rounds exp(z - m_tile);
+    measured on CPU 1.53x / 1.67x), and no worse than dividing outside the op."""
     case = Case(40, 32, 300, torch.bfloat16, "sum", ignored=0.2)
     hidden, weight, _, targets = make_inputs(case)
     exact = [t.detach().double().requires_grad_(True) for t in (hidden, weight)]
@@ -121,10 +124,11 @@ def test_num_items_in_batch_gradients_on_both_paths(strategy):
             (fused_linear_cross_entropy(*leaves, targets, reduction="sum", strategy=strategy) / 37).backward()
         return [rel_err(got.grad, want.grad) for got, want in zip(leaves, exact)]
 
-    folded = errors(True)
-    assert all(e < 4e-3 for e in folded), folded
-    if strategy == "chunked":  # CPU: 2.1e-3 / 2.1e-3 folded against 2.5e-3 / 2.7e-3 outside
-        assert all(f < o for f, o in zip(folded, errors(False))), (folded, errors(False))
+    folded, outside = errors(True), errors(False)
+    once = [rel_err(t.grad.to(torch.bfloat16), t.grad) for t in exact]
+    bound = 1.8 if strategy == "chunked" else 1.6
+    assert all(f <= bound * o for f, o in zip(folded, once)), (folded, once)
+    assert all(f <= o for f, o in zip(folded, outside)), (folded, outside)
 
 
 def test_metric_sums_add_up_across_shards():

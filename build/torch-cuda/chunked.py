@@ -8,9 +8,10 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
 2. the merge gives the rows' lse (merged across ranks for a vocabulary shard);
 3. ``softmax_gradient_kernel`` turns the buffer into da in place (the input dtype);
 4. grad_hidden[rows] = da @ weight and grad_weight (+)= da^T @ hidden[rows], fp32 accumulation
-   (``products``: cuBLAS for bf16 where the output is the input dtype); the common factor (1 / sum of
-   target weights for "mean") is in da's fp32 value before its one rounding (fp16: applied in the
-   products' epilogue with the power of two that keeps da out of the subnormals).
+   (``products``). The common factor (1 / sum of target weights for "mean") is not in da: bf16
+   products into the gradient run on cuBLAS and are then scaled by it in place (two independent
+   roundings, the second exact when the factor is a power of two); fp16 (with the power of two that
+   keeps da out of the subnormals) and fp32 apply it in the Triton matmul's epilogue.
 
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). Sums across chunks
 go through an fp32 buffer (grad_weight: V x H when there is more than one chunk), as in the
@@ -100,9 +101,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             scale, inverse = launch.fp16_gradient_scale(coef, class_weight, opts.logit_scale)
             coef = coef * scale
             chunk_unscale = unscale * inverse
-        else:  # the common factor goes into da's fp32 value before its one rounding
-            coef = coef * common
-            chunk_unscale = None
+        else:
+            chunk_unscale = unscale
         da = e  # in place
         softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
             e, da, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
@@ -115,11 +115,13 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             num_warps=8 if not configs.interpreted() else 1,
         )
         if need_dx:
-            products.product(da, weight, dx_acc[sl], False, chunk_unscale)
+            products.product(da, weight, dx_acc[sl], False, chunk_unscale, scale_after=True)
         if direct_dw:
             grad_weight = products.direct(da.t(), hidden[sl])
+            if chunk_unscale is not None:
+                products.scale(grad_weight, chunk_unscale, out=grad_weight)
         elif need_dw:
-            products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
+            products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale, scale_after=True)
         if need_db:
             launch.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 

@@ -186,10 +186,12 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     products into it). The grad_hidden accumulator may live in grad_weight's own memory
     (``BackwardPlan.borrowed``). Who runs each product: ``products``.
     ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
-    shared by every row (losses.coefficients): bf16 takes it into da's fp32 value before da's one
-    rounding, so its products need no epilogue; fp16 and fp32 apply it to the products in fp32
-    (fp16's da also carries a power-of-two lift out of the subnormals, undone there). With a vocabulary ``shard`` the partial grad_hidden is summed over its group in fp32
-    (every rank gets the full grad_hidden); grad_weight and grad_bias are the shard's own.
+    shared by every row (losses.coefficients), applied to the products in fp32 (the Triton matmul's
+    epilogue, or the fp32 accumulator's final rounding) rather than rounded into da, where it would
+    repeat one rounding error on every row (``products.product``); fp16's da also carries a
+    power-of-two lift out of the subnormals, undone there. With a vocabulary ``shard`` the partial
+    grad_hidden is summed over its group in fp32 (every rank gets the full grad_hidden); grad_weight
+    and grad_bias are the shard's own.
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
     v = weight.shape[0]
@@ -226,13 +228,11 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         lift, inverse = fp16_gradient_scale(coef, class_weight, opts.logit_scale)
         coef = coef * lift
         unscale = inverse if unscale is None else unscale * inverse
-    elif dtype == torch.bfloat16 and unscale is not None:  # the common factor in da's fp32 value,
-        coef, unscale = coef * unscale, None  # before its one rounding: products need no epilogue
 
     one = torch.ones((1,), dtype=torch.float32, device=device)
     unscale_or_one = unscale if unscale is not None else one
     # 16-bit inputs: products summed over blocks go to cuBLAS into the fp32 accumulator, unscaled;
-    # fp16's factor is applied once, in the accumulator's final rounding (``scale``).
+    # the common factor is applied once, in the accumulator's final rounding (``scale``).
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
     dw_deferred = need_dw and dw_acc is not grad_weight
 

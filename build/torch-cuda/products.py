@@ -1,12 +1,14 @@
 """The gradient products, and who runs each: every product's K reduction is summed in fp32, whatever
-runs it, and a 16-bit result is rounded once.
+runs it, and a 16-bit result is rounded once (twice where the chunked path scales it after cuBLAS:
+``product``).
 
 - ``direct``: out = a @ b, a 16-bit result written straight into a gradient, nothing added or
   scaled. bf16 goes to cuBLAS (``torch.mm``) with its reduced-precision reductions turned off for
   the call (``full_precision_reductions``), so a split-K partial sum is never rounded to bf16.
   fp16 (whose da carries a power-of-two lift the products undo) and fp32 (where cuBLAS would follow
   the user's TF32 switch) go to ``matmul``.
-- ``product``: ``direct`` where it applies, else ``matmul``.
+- ``product``: ``direct`` where it applies (optionally followed by an in-place ``scale``), else
+  ``matmul``.
 - ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``).
 - ``rows_product``: a block of whole vocabulary rows' grad_hidden (a long V reduction that cuBLAS
   splits across the GPU), scaled once.
@@ -86,11 +88,22 @@ def direct(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
     return out
 
 
-def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:
+def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None, *,
+            scale_after: bool = False) -> None:
     """out (+)= (a @ b) [* unscale]: ``direct`` when the result goes straight into ``out`` in the
-    operands' dtype, else ``matmul``."""
-    if not accumulate and unscale is None and out.dtype == a.dtype:
+    operands' dtype and nothing scales it, else ``matmul`` (the factor applied in fp32 before the
+    one rounding). With ``scale_after`` a bf16 result with a factor also goes to ``direct`` and is
+    then scaled in place: rounded twice, by cuBLAS and by ``scale``, each element independently (the
+    chunked path's speed for half an ulp more; exact when the factor is a power of two).
+
+    Never fold a factor shared by every row into da before the product instead: on rows where p is
+    far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
+    relative error repeated across the batch (tests/test_rounding.py)."""
+    runs_direct = unscale is None or (scale_after and a.dtype == torch.bfloat16)
+    if not accumulate and out.dtype == a.dtype and runs_direct:
         direct(a, b, out)
+        if unscale is not None:
+            scale(out, unscale, out=out)
     else:
         matmul(a, b, out, accumulate, unscale)
 
