@@ -10,8 +10,6 @@ borrowed accumulator; Liger as the side-by-side peer when installed. Then one pr
 kernel of the 64 MiB plan at S1. Prints a table last; writes experiment_borrowed.json under --out.
 """
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,8 +19,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
 
-from experiment_common import MiB, kernel_times, measure, reference, write_results  # noqa: E402
-from tune import problem  # noqa: E402
+from experiment_common import MiB, kernel_times, measure, parse_args, problems, write_results  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
 PLANNER = configs.plan_passes
@@ -47,28 +44,10 @@ def forced(kind):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
-    except Exception:  # an optional oracle
-        liger = None
+    args = parse_args(SHAPES)
     rows, kernels = [], {}
-    for shape in args.shapes:
+    for shape, (hidden, weight, targets, ref, grads_bytes, step, liger) in problems(SHAPES, args.shapes):
         n, h, v = SHAPES[shape]
-        hidden, weight, targets = problem(n, h, v)
-        ref = reference(hidden, weight, targets)
-        grads_bytes = hidden.numel() * 2 + weight.numel() * 2
-
-        def step(fn):
-            hd = hidden.detach().requires_grad_(True)
-            wd = weight.detach().requires_grad_(True)
-            loss = fn(hd, wd)
-            loss.backward()
-            return loss, hd.grad, wd.grad
-
         variants = {}
         for mib in (64, 128, 256):
             for kind in ("planner", "two-pass", "borrowed"):
@@ -76,11 +55,7 @@ def main():
                     return fused_linear_cross_entropy(hd, wd, targets, chunk_bytes=mib * MiB, strategy="recompute")
                 variants[f"{mib}M-{kind}"] = (fn, kind)
         if liger is not None:
-            def liger_loss(hd, wd):
-                out = liger(hd, wd, targets)
-                return out[0] if isinstance(out, (tuple, list)) else out
-
-            variants["liger"] = (liger_loss, "peer")
+            variants["liger"] = (liger, "peer")
         mm = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=20, rep=100)
         seen = {}
         for name, (fn, kind) in variants.items():

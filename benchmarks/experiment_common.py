@@ -10,7 +10,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
 
-from tune import rel  # noqa: E402
+from tune import problem, rel  # noqa: E402
 
 MiB = 1 << 20
 
@@ -20,6 +20,56 @@ def reference(hidden, weight, targets):
     torch.backends.cuda.matmul.allow_tf32 = False
     loss, count, dx, dw, _ = chunked_linear_cross_entropy(hidden, weight, targets, chunk=2048)
     return loss / count, dx / count, dw / count
+
+
+def parse_args(shapes):
+    """The experiment scripts' command line: --shapes (names of ``shapes``) and --out (default $OUT)."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(shapes))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    return ap.parse_args()
+
+
+def liger_loss(targets):
+    """Liger's fused loss as ``(hidden, weight) -> loss`` for ``targets``, or None when not installed
+    (an optional oracle)."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+    except Exception:
+        return None
+
+    def loss(hd, wd):
+        out = liger(hd, wd, targets)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return loss
+
+
+def make_step(hidden, weight):
+    """``step(fn)``: one forward+backward of ``fn(hidden, weight)`` on fresh leaves; returns (loss,
+    grad_hidden, grad_weight)."""
+
+    def step(fn):
+        hd = hidden.detach().requires_grad_(True)
+        wd = weight.detach().requires_grad_(True)
+        loss = fn(hd, wd)
+        loss.backward()
+        return loss, hd.grad, wd.grad
+
+    return step
+
+
+def problems(shapes, names):
+    """Per shape name: (name, (hidden, weight, targets, ref, grads_bytes, step, liger)), the bf16
+    problem of tune.py on the GPU with its fp32 reference, ``make_step`` and ``liger_loss``."""
+    for name in names:
+        hidden, weight, targets = problem(*shapes[name])
+        grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+        yield name, (hidden, weight, targets, reference(hidden, weight, targets), grads_bytes,
+                     make_step(hidden, weight), liger_loss(targets))
 
 
 def measure(step, fn, ref, grads_bytes):

@@ -8,14 +8,18 @@ setting (64 MiB, the default 256 MiB, chunked whole; S4: the default only):
 - ``cublas``: as the package runs (``products.direct``: cuBLAS, reduced-precision reductions off);
 - ``triton``: the same products on the package's Triton matmul (the previous runner);
 - ``cublas-rpr``: cuBLAS with torch's default flags (reduced-precision reductions allowed).
-Liger as the side-by-side peer when installed. At S1 the 64 MiB setting is also timed the way the
+Liger as the side-by-side peer when installed.
+
+Its results (`results/cublas/experiment_cublas.json`) are of commit 9907ea2, where bf16 folded the
+common factor into da so that every product into a gradient went to cuBLAS; that fold repeats one
+rounding error on every row (NOTES v10) and is gone. Since then the recompute path's products that
+carry the factor run on the Triton matmul in every variant, so ``cublas`` and ``triton`` differ only
+where there is no factor and on the chunked path. At S1 the 64 MiB setting is also timed the way the
 harness does (``bench.measure``), and one step of it is profiled per kernel. Prints a table last;
 writes experiment_cublas.json under --out.
 """
 
-import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -26,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import fused_linear_cross_entropy, products  # noqa: E402
 
 import bench  # noqa: E402
-from experiment_common import MiB, kernel_times, measure, reference, write_results  # noqa: E402
-from tune import problem  # noqa: E402
+from experiment_common import MiB, kernel_times, measure, parse_args, problems, write_results  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936),
           "S4": (65536, 4096, 128256)}
@@ -49,28 +52,9 @@ def runner(kind):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
-    except Exception:  # an optional oracle
-        liger = None
+    args = parse_args(SHAPES)
     rows, kernels = [], {}
-    for shape in args.shapes:
-        n, h, v = SHAPES[shape]
-        hidden, weight, targets = problem(n, h, v)
-        ref = reference(hidden, weight, targets)
-        grads_bytes = hidden.numel() * 2 + weight.numel() * 2
-
-        def step(fn):
-            hd = hidden.detach().requires_grad_(True)
-            wd = weight.detach().requires_grad_(True)
-            loss = fn(hd, wd)
-            loss.backward()
-            return loss, hd.grad, wd.grad
-
+    for shape, (hidden, weight, targets, ref, grads_bytes, step, liger) in problems(SHAPES, args.shapes):
         settings = {"256M": dict(strategy="recompute", chunk_bytes=256 * MiB)}
         if shape != "S4":
             settings["64M"] = dict(strategy="recompute", chunk_bytes=64 * MiB)
@@ -100,14 +84,10 @@ def main():
                 runner("cublas")
                 print(kernels, flush=True)
         if liger is not None and shape != "S4":
-            def liger_loss(hd, wd):
-                out = liger(hd, wd, targets)
-                return out[0] if isinstance(out, (tuple, list)) else out
-
-            rows.append(dict(shape=shape, name="liger", matmul_ms=mm, **measure(step, liger_loss, ref, grads_bytes)))
+            rows.append(dict(shape=shape, name="liger", matmul_ms=mm, **measure(step, liger, ref, grads_bytes)))
             print(rows[-1], flush=True)
             if shape == "S1":
-                out = bench.measure(lambda hd, wd, t: liger_loss(hd, wd), hidden, weight, targets, ref_tuple(ref), False)
+                out = bench.measure(lambda hd, wd, t: liger(hd, wd), hidden, weight, targets, ref_tuple(ref), False)
                 rows.append(dict(shape=shape, name="liger-harness", matmul_ms=mm, ms=out["fwdbwd_ms"],
                                  extra_mib=out["extra_mib"], dx=out["dx_rel"], dw=out["dw_rel"]))
                 print(rows[-1], flush=True)

@@ -3,9 +3,14 @@
     python3 benchmarks/experiment_overhead.py [--out DIR]
 
 At S1 (bf16, random data as tune.py), per variant (ours at 64 MiB, the default, chunked whole;
-Liger when installed), the same forward+backward step measured five ways:
+torch.compile of plain torch; Liger and Cut Cross-Entropy when installed), the same forward+backward
+step measured several ways:
 - ``bench``: do_bench median, 1 s of repetitions (the L2 cleared before each, as the harness);
-- ``loop``: ten steps back to back between two events, per step (CPU overhead hidden behind the GPU);
+- ``first``: one step after 3 s idle (the GPU's clock and power budget recovered);
+- ``loop``: 40 steps back to back between two events, per step (the regime of a training loop, at
+  the power cap), and ``after_loop`` one more step right after them;
+- ``smi_loop`` / ``smi_idle``: nvidia-smi's SM clock, power and throttle reasons (sampled every
+  50 ms in the background) during the loop and around the idle step;
 - ``busy``: one step behind a GPU sleep long enough that the CPU runs ahead (pure GPU time);
 - ``cpu``: the host time of one step issued behind that sleep (a synchronisation inside the step
   would make it as long as the GPU's);
@@ -29,7 +34,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import fused_linear_cross_entropy  # noqa: E402
 
-from experiment_common import MiB  # noqa: E402
+from experiment_common import MiB, liger_loss  # noqa: E402
 from tune import problem  # noqa: E402
 
 
@@ -116,16 +121,17 @@ def main():
         "chunked-whole": lambda hd, wd: fused_linear_cross_entropy(hd, wd, targets, strategy="chunked",
                                                                    chunk_bytes=1 << 50),
     }
+    compiled = torch.compile(lambda hd, wd: torch.nn.functional.cross_entropy((hd @ wd.T).float(), targets),
+                             dynamic=False)
+    variants["torch-compile"] = compiled
     try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+        from cut_cross_entropy import linear_cross_entropy as cce
 
-        def liger_loss(hd, wd):
-            out = liger(hd, wd, targets)
-            return out[0] if isinstance(out, (tuple, list)) else out
-
-        variants["liger"] = liger_loss
+        variants["cce"] = lambda hd, wd: cce(hd, wd, targets)
     except Exception:  # an optional oracle
         pass
+    if liger_loss(targets) is not None:
+        variants["liger"] = liger_loss(targets)
     rows = []
     clocks = Clocks(str(Path(args.out) / "nvidia_smi.csv"))
     for name, fn in variants.items():
@@ -167,7 +173,8 @@ def main():
           f"{'kernels':>8s} {'MHz':>6s} {'W':>5s}  throttle reasons (loop)")
     for r in rows:
         smi = r["smi_loop"]
-        print(f"{r['name']:14s} {r['bench']:7.2f} {r['first']:7.2f} {r['loop']:7.2f} {r['after_loop']:7.2f} {r['busy']:7.2f} "
+        print(f"{r['name']:14s} {r['bench']:7.2f} {r['first']:7.2f} {r['loop']:7.2f} {r['after_loop']:7.2f} "
+              f"{r['busy']:7.2f} "
               f"{r['cpu']:7.2f} {r['kernels']:8.2f} {smi['sm_mhz']:6.0f} {smi['watts']:5.0f}  {smi['reasons']}")
 
 
