@@ -131,9 +131,9 @@ def rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unsc
     if unscale is None and out.dtype == da.dtype and da.dtype == torch.bfloat16:
         direct(da, weight, out)
         return
-    product = torch.empty((da.shape[0], weight.shape[1]), dtype=torch.float32, device=da.device)
-    accumulate(da, weight, product, True)
-    scale(product, unscale if unscale is not None else torch.ones((1,), device=da.device), out=out)
+    result = torch.empty((da.shape[0], weight.shape[1]), dtype=torch.float32, device=da.device)
+    accumulate(da, weight, result, True)
+    scale(result, unscale if unscale is not None else torch.ones((1,), device=da.device), out=out)
 
 
 def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
