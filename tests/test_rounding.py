@@ -25,6 +25,8 @@ SETTINGS = {  # name -> (V, keyword arguments): every plan that forms da with a 
     "recompute-borrowed": (2000, dict(strategy="recompute", chunk_bytes=128 << 10)),
     "recompute-weight-accumulator": (2000, dict(strategy="recompute", chunk_bytes=64 << 10)),
     "recompute-two-pass": (500, dict(strategy="recompute", chunk_bytes=128 << 10)),
+    "recompute-none": (2000, dict(strategy="recompute", reduction="none")),  # then summed / COUNT
+    "recompute-none-blocks": (2000, dict(strategy="recompute", reduction="none", chunk_bytes=128 << 10)),
     "chunked-whole": (2000, dict(strategy="chunked")),
     "chunked-blocks": (2000, dict(strategy="chunked", chunk_bytes=64 * 2000 * 2)),
 }
@@ -54,7 +56,10 @@ def test_the_mean_factor_is_not_rounded_into_every_row(setting):
     torch.nn.functional.cross_entropy(hd @ wd.T, targets).backward()
     h = hidden.to(DEVICE).requires_grad_(True)
     w = weight.to(DEVICE).requires_grad_(True)
-    fused_linear_cross_entropy(h, w, targets.to(DEVICE), **kwargs).backward()
+    loss = fused_linear_cross_entropy(h, w, targets.to(DEVICE), **kwargs)
+    if kwargs.get("reduction") == "none":  # the same per-row upstream gradient, 1 / COUNT, on every row
+        loss = loss.sum() / COUNT
+    loss.backward()
     for name, got, want in (("dX", h.grad, hd.grad), ("dW", w.grad, wd.grad)):
         once = rel_err(want.to(torch.bfloat16), want)
         assert rel_err(got, want) <= 1.6 * once, f"{name}: {rel_err(got, want):.2e} against {once:.2e} for one rounding"
