@@ -166,14 +166,16 @@ def rows(weights: TargetWeights, start: int, stop: int) -> TargetWeights:
 def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
     """The (3, N) coefficients of every row and the common factor (``upstream``).
 
-    Per-row upstream gradients ("none", or a returned lse's) have no common factor of their own, but
-    are often one value on every row (``loss.sum() / count`` after ``reduction="none"``), which
-    rounded into da would repeat one error on every row as the mean's would. So the coefficients are
-    divided by the largest finite |B| (the target term's), which becomes the common factor: equal
-    rows then have B = 1 exactly, and the factor goes to the products in fp32. No host sync."""
+    Per-row upstream gradients ("none") have no common factor of their own, but are often one value
+    on every row (``loss.sum() / count`` after ``reduction="none"``), which rounded into da would
+    repeat one error on every row as the mean's would. So the coefficients, each proportional to its
+    row's upstream gradient, are divided by the largest finite |B| (the target term's), which
+    becomes the common factor: equal rows then have B = 1 exactly, and the factor goes to the
+    products in fp32. No host sync. Not with a returned lse's gradient, which is added to A on its
+    own scale (a small B could make A / B overflow)."""
     g_ce, g_z, common = upstream(grad_loss, grad_lse, weights, opts)
     coef = row_coefficients(g_ce, g_z, grad_lse, lse, targets, weights, opts)
-    if common is None and coef.shape[1] > 0:
+    if common is None and grad_lse is None and coef.shape[1] > 0:
         b = coef[1].abs()
         largest = torch.where(torch.isfinite(b), b, torch.zeros_like(b)).amax()
         common = torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
