@@ -12,8 +12,9 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
    products into the gradient run on cuBLAS and are then scaled by it in place (two independent
    roundings, the second exact when the factor is a power of two); fp16 (with the power of two that
    keeps da out of the subnormals) and fp32 apply it in the Triton matmul's epilogue. The target
-   coefficient B (1 - eps, a class weight) stays in da, unlike the recompute path
-   (``losses.normalize``): where it is one value inexact in bf16 on every row, its rounding repeats.
+   coefficient B (1 - eps, a class weight) leaves da as on the recompute path (``losses.normalize``)
+   only where that adds no rounding (``losses.normalize_if_free``); elsewhere, where it is one value
+   inexact in bf16 on every row, its rounding repeats.
 
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). Sums across chunks
 go through an fp32 buffer (grad_weight: V x H when there is more than one chunk), as in the
@@ -98,10 +99,11 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)
-        # B (1 - eps, a class weight) stays in da as it is: ``losses.normalize`` would move its
-        # mantissa into the factor scaled in after cuBLAS, one more rounding of every element,
-        # which costs more than it saves at label smoothing 0.1 (1.47x against 1.29x one rounding).
-        chunk_unscale = common.reshape(1)
+        # B (1 - eps, a class weight) leaves da only where that adds no rounding after cuBLAS: moving
+        # its mantissa into an exact factor costs more than it saves (label smoothing 0.1: 1.47x
+        # against 1.29x one rounding).
+        coef, chunk_common = losses.normalize_if_free(coef, common)
+        chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
             scale, inverse = launch.fp16_gradient_scale(coef, class_weight, opts.logit_scale)
             coef = coef * scale

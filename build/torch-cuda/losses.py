@@ -181,6 +181,21 @@ def normalize(coef: torch.Tensor, common):
     return coef / s, s if common is None else common * s
 
 
+def _power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """Whether the fp32 scalar ``x`` is +-2^k (multiplying by it rounds nothing)."""
+    return torch.frexp(x).mantissa.abs() == 0.5
+
+
+def normalize_if_free(coef: torch.Tensor, common: torch.Tensor):
+    """``normalize``, where the factor is scaled in after a rounded product (the chunked path's
+    cuBLAS products) and so costs a rounding unless it is a power of two: taken when that adds no
+    rounding (the normalised factor is a power of two, or the factor was not one already), else
+    (coef, common) unchanged. Decided on the device, no host sync."""
+    coef_n, common_n = normalize(coef, common)
+    take = _power_of_two(common_n) | ~_power_of_two(common)
+    return torch.where(take, coef_n, coef), torch.where(take, common_n, common)
+
+
 def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
     """The (3, N) coefficients of every row and the common factor (``upstream``), ``normalize``d;
     not with a returned lse's gradient, which is added to A on its own scale (A / B could
