@@ -119,3 +119,11 @@ def test_the_chunked_path_normalises_only_where_that_adds_no_rounding():
     weighted = torch.tensor([[0.3, 0.3], [0.3, 0.3], [0.0, 0.0]])
     moved, factor = losses.normalize_if_free(weighted, torch.tensor(1 / (0.3 * 256)))
     assert torch.equal(moved[1], torch.ones(2)) and factor.item() == pytest.approx(1 / 256, rel=1e-6)
+
+
+@pytest.mark.parametrize("x,exact", [(1.0, True), (-2.0, True), (2.0**-100, True), (0.3, False), (1 / 230, False),
+                                     (0.0, False), (float("inf"), False), (float("nan"), False), (2.0**-130, False)])
+def test_power_of_two_is_read_from_the_bits(x, exact):
+    from fused_linear_ce import losses
+
+    assert bool(losses._power_of_two(torch.tensor(x, device=DEVICE))) == exact

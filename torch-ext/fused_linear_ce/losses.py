@@ -182,8 +182,11 @@ def normalize(coef: torch.Tensor, common):
 
 
 def _power_of_two(x: torch.Tensor) -> torch.Tensor:
-    """Whether the fp32 scalar ``x`` is +-2^k (multiplying by it rounds nothing)."""
-    return torch.frexp(x).mantissa.abs() == 0.5
+    """Whether the fp32 scalar ``x`` is a normal +-2^k (multiplying by it rounds nothing short of
+    the subnormals): no mantissa bits, an exponent field neither 0 nor 255. 0-d bool tensor."""
+    bits = x.to(torch.float32).reshape(1).view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    return (((bits & 0x7FFFFF) == 0) & (exponent > 0) & (exponent < 255)).reshape(())
 
 
 def normalize_if_free(coef: torch.Tensor, common: torch.Tensor):
