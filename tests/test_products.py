@@ -17,6 +17,10 @@ def _operands(m, k, p, dtype, seed=0):
     return a, b
 
 
+def _out(a, b):
+    return torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+
+
 def _beyond_one_rounding(got, a, b, factor=1.0):
     """How far ``got`` is from the float64 product (a @ b) * factor beyond half a bf16 ulp, in units of the l2
     norm of each output's K terms. An fp32 sum of the terms (any order) stays near 2^-24 of that
@@ -36,7 +40,7 @@ def test_direct_bf16_is_the_exact_sum_rounded_once(transposed):
     a, b = _operands(48, 4096, 40, torch.bfloat16)
     if transposed:  # grad_weight's product reads da^T
         a = a.t().contiguous().t()
-    got = products.direct(a, b)
+    got = products.direct(a, b, _out(a, b))
     assert got.dtype == torch.bfloat16 and got.shape == (48, 40)
     assert _beyond_one_rounding(got, a, b) <= 2.0**-16
     out = torch.empty(48, 40, dtype=torch.bfloat16, device=DEVICE)
@@ -50,7 +54,7 @@ def test_direct_sends_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
     real = products.matmul
     monkeypatch.setattr(products, "matmul", lambda *args: calls.append(args) or real(*args))
     a, b = _operands(16, 64, 24, dtype)
-    got = products.direct(a, b)
+    got = products.direct(a, b, _out(a, b))
     assert len(calls) == 1
     torch.testing.assert_close(got.double(), a.double() @ b.double(), rtol=2e-3, atol=2e-3)
 
@@ -72,14 +76,14 @@ def test_cublas_calls_run_without_reduced_precision_reductions_and_the_flags_com
         monkeypatch.setattr(torch.backends.cuda.matmul, f, True)
     a, b = _operands(16, 64, 24, torch.bfloat16)
     acc = torch.zeros(16, 24, device=DEVICE)
-    products.direct(a, b)
+    products.direct(a, b, _out(a, b))
     products.accumulate(a, b, acc, True)
     products.accumulate(a, b, acc, False)
     assert len(seen) == 3 and set(seen) == {(False, False)}
     assert all(getattr(torch.backends.cuda.matmul, f) for f in FLAGS), "the user's flags must come back"
     monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        products.direct(a, b)
+        products.direct(a, b, _out(a, b))
     assert all(getattr(torch.backends.cuda.matmul, f) for f in FLAGS), "...after an error too"
 
 
@@ -87,7 +91,7 @@ def test_rows_product_without_a_factor_is_direct_and_with_one_scales_once():
     a, b = _operands(32, 2048, 40, torch.bfloat16)
     out = torch.empty(32, 40, dtype=torch.bfloat16, device=DEVICE)
     products.rows_product(a, b, out, None)
-    assert torch.equal(out, products.direct(a, b))
+    assert torch.equal(out, products.direct(a, b, _out(a, b)))
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     products.rows_product(a, b, out, third)
     assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16

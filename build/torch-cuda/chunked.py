@@ -63,7 +63,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         return (stats, *zeros)
     cfg = configs.sweep_config(dtype, chunked=True)
     rows = configs.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
-    n_chunks = triton.cdiv(n, rows) if n else 0
+    n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
     one = torch.ones((), device=device)
     g_ce, g_z, common = losses.upstream(one if divisor is None else one / divisor, None, weights, opts)
@@ -77,10 +77,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if need_dx and shard is not None and out_dtype != torch.float32:
         dx_acc = _new((n, h), torch.float32, device)  # summed over ranks in fp32
     grad_weight = dw_acc = None
-    # One chunk in the input dtype: grad_weight is the product's own result (``products.direct``),
-    # allocated when the product runs.
-    direct_dw = need_dw and n_chunks == 1 and out_dtype == dtype
-    if need_dw and not direct_dw:
+    if need_dw:
         grad_weight = _new((v, h), out_dtype, device)
         dw_acc = _new((v, h), torch.float32, device) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
     db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
@@ -105,9 +102,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         coef, chunk_common = losses.normalize_if_free(coef, common)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
-            scale, inverse = launch.fp16_gradient_scale(coef, class_weight, opts.logit_scale)
-            coef = coef * scale
-            chunk_unscale = chunk_unscale * inverse
+            coef, chunk_unscale = launch.lift_fp16(coef, chunk_unscale, class_weight, opts.logit_scale)
         da = e  # in place
         softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
             e, da, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
@@ -121,10 +116,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         )
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale, scale_after=True)
-        if direct_dw:
-            grad_weight = products.direct(da.t(), hidden[sl])
-            products.scale(grad_weight, chunk_unscale, out=grad_weight)
-        elif need_dw:
+        if need_dw:
             products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale, scale_after=True)
         if need_db:
             launch.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
@@ -133,7 +125,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         parallel.all_reduce(dx_acc, shard)
         if dx_acc is not grad_hidden:
             grad_hidden.copy_(dx_acc)
-    if need_dw and not direct_dw and dw_acc is not grad_weight:
+    if need_dw and dw_acc is not grad_weight:
         grad_weight.copy_(dw_acc)
     grad_bias = db_acc if need_db else None  # (V,) fp32: cheap, and rounded once, in the backward
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias

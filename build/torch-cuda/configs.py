@@ -141,9 +141,10 @@ class BackwardPlan:
         )
 
 
-def _token_rows(elems: int, v: int, block_n: int) -> int:
-    """Rows of whole vocabulary rows that ``elems`` elements hold, in row blocks, at least one."""
-    return max(block_n, (elems // v) // block_n * block_n)
+def _token_rows(units: int, per_row: int, block_n: int) -> int:
+    """How many rows of ``per_row`` units each (a whole vocabulary row's elements or bytes) ``units``
+    hold, in row blocks, at least one."""
+    return max(block_n, (units // per_row) // block_n * block_n)
 
 
 def _vocab_cols(elems: int, n: int, block_v: int) -> int:
@@ -194,7 +195,7 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
     if n * v <= elems or dtype == torch.float32:
         return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)
 
-    rows_only = max(block_n, (budget // (v * item + 4 * h)) // block_n * block_n)  # da rows + their fp32 product
+    rows_only = _token_rows(budget, v * item + 4 * h, block_n)  # da rows + their fp32 product
     rows_pass = BackwardPlan(rows_only, v, False, False, True, False)
     all_cols = _vocab_cols(elems, n, block_v)
     dw_pass = BackwardPlan(n, all_cols, False, False, False, True) if all_cols >= block_v else None

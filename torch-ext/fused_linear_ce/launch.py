@@ -142,8 +142,9 @@ def add_bias_sums(db_acc: torch.Tensor, dbias: torch.Tensor, rows: int, block_n:
     db_acc += block_sum if unscale is None else block_sum * unscale
 
 
-def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
-    """A power of two that lifts fp16 da out of the subnormal range, and its inverse (fp32 tensors).
+def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float):
+    """(coef, unscale) with da lifted out of fp16's subnormal range by a power of two: the
+    coefficients times it, ``unscale`` (an fp32 (1,) tensor, or None for 1) times its inverse.
 
     da = logit_scale * (A p - B onehot - C w) * softcap', with p and softcap' at most 1, so
     |da| <= |logit_scale| (|A| + |B| + |C| max|w|). At real sizes p ~ 1/V and A ~ 1/count put most
@@ -154,8 +155,9 @@ def fp16_gradient_scale(coef: torch.Tensor, class_weight, logit_scale: float):
     peak = (coef[0].abs() + coef[1].abs() + coef[2].abs() * w_max).amax() * abs(logit_scale)
     k = (14.0 - torch.ceil(torch.log2(peak))).clamp(-60.0, 60.0)
     k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero or non-finite gradients
-    scale = torch.exp2(k)
-    return scale, (1.0 / scale).reshape(1)
+    lift = torch.exp2(k)
+    inverse = (1.0 / lift).reshape(1)
+    return coef * lift, inverse if unscale is None else unscale * inverse
 
 
 def _borrow_accumulator(grad_weight: torch.Tensor, n: int, h: int):
@@ -225,9 +227,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
 
     unscale = common.reshape(1).to(torch.float32) if common is not None else None
     if dtype == torch.float16 and n > 0:
-        lift, inverse = fp16_gradient_scale(coef, class_weight, opts.logit_scale)
-        coef = coef * lift
-        unscale = inverse if unscale is None else unscale * inverse
+        coef, unscale = lift_fp16(coef, unscale, class_weight, opts.logit_scale)
 
     one = torch.ones((1,), dtype=torch.float32, device=device)
     unscale_or_one = unscale if unscale is not None else one

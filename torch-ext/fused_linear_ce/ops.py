@@ -160,16 +160,15 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
             raise RuntimeError(f"fused_linear_cross_entropy: {missing} did not require grad when the loss was "
                                "computed, so the chunked path computed no gradient for them")
         dx, dw, db = scale_gradients(*ctx.saved_tensors, grad_loss, *ctx.dtypes)
-        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-                None, None, None) + (None,) * len(_OPTION_NAMES)
-    hidden, weight, bias, targets, class_weight, lse2, divisor = ctx.saved_tensors
-    if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient
-        grad_loss = grad_loss / divisor
-    dx, dw, db = backward(
-        grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse2,
-        o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["label_smoothing"], o["z_loss"],
-        o["chunk_bytes"], o["group_id"], *ctx.needs,
-    )
+    else:
+        hidden, weight, bias, targets, class_weight, lse2, divisor = ctx.saved_tensors
+        if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient
+            grad_loss = grad_loss / divisor
+        dx, dw, db = backward(
+            grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse2,
+            o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["label_smoothing"], o["z_loss"],
+            o["chunk_bytes"], o["group_id"], *ctx.needs,
+        )
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
             None, None, None) + (None,) * len(_OPTION_NAMES)
 

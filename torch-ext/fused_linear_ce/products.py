@@ -72,11 +72,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     )
 
 
-def direct(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out = a @ b in the operands' dtype (a new tensor when ``out`` is None), fp32 accumulation,
-    one rounding; the runner as the module docstring says."""
-    if out is None:
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+def direct(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = a @ b in the operands' dtype, fp32 accumulation, one rounding; the runner as the module
+    docstring says. Returns ``out``."""
     if a.dtype != torch.bfloat16:
         matmul(a, b, out, False)
         return out
