@@ -9,11 +9,14 @@ code. ``test_bf16_emulation.py`` checks both workarounds against torch bit for b
 same cases run the real bf16 path.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from cases import Case, check_three_way, make_inputs, ours, plain
-from conftest import ON_GPU, rel_err
+from conftest import DEVICE, ON_GPU, rel_err
+from fused_linear_ce import configs, launch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,6 +89,49 @@ for dtype in DTYPES:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_float64_reference(case):
     check_three_way(case)
+
+
+# The logit tiles load their operands through TMA tensor descriptors where the layout allows it
+# (every case above, on the interpreter and on the GPU for 16-bit inputs) and through pointers
+# elsewhere (a misaligned or strided layout; fp32 on the GPU). These cases run the pointer loads:
+# a ragged H with bias, scale and softcap; recompute over the whole plane; the chunked path over
+# four vocabulary tiles; vocabulary chunks with an accumulator.
+POINTER_CASES = []
+for dtype in DTYPES:
+    POINTER_CASES += [
+        Case(77, 40, 500, dtype, "none", logit_scale=2.5, softcap=4.0, bias=True),
+        Case(77, 96, 500, dtype, "mean", ignored=0.2, extra=dict(strategy="recompute")),
+        Case(40, 48, 1000, dtype, "mean", bias=True, ignored=0.2, extra=dict(strategy="chunked")),
+        Case(77, 96, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=72000),
+    ]
+
+
+@pytest.mark.parametrize("case", POINTER_CASES, ids=lambda c: c.id)
+def test_pointer_loads_match_float64_reference(case, monkeypatch):
+    for name, value in list(vars(configs).items()):
+        if isinstance(value, configs.TileConfig):
+            monkeypatch.setattr(configs, name, dataclasses.replace(value, tma=False))
+    hidden, weight, _, _ = make_inputs(case)
+    assert not launch._descriptors(hidden, weight, configs.sweep_config(case.dtype))[2]
+    check_three_way(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tma_descriptors_where_the_layout_allows(dtype):
+    """Contiguous, 16-byte aligned rows take the descriptors (as configured: not fp32 on the GPU);
+    a row of 36 16-bit elements (72 bytes), a strided operand or a misaligned base do not."""
+    hidden = torch.randn(20, 48, device=DEVICE).to(dtype)
+    weight = torch.randn(300, 48, device=DEVICE).to(dtype)
+    cfg = configs.sweep_config(dtype)
+    assert configs.tma_layout(hidden) and configs.tma_layout(weight)
+    assert launch._descriptors(hidden, weight, cfg)[2] == cfg.tma
+    assert cfg.tma == (dtype != torch.float32 or not ON_GPU)
+    short = torch.randn(20, 36 if dtype != torch.float32 else 34, device=DEVICE).to(dtype)
+    assert not configs.tma_layout(short)
+    assert not configs.tma_layout(hidden[:, ::2])
+    assert not configs.tma_layout(torch.randn(20 * 48 + 1, device=DEVICE).to(dtype)[1:].view(20, 48))
+    assert not configs.tma_layout(hidden[:0])
+    assert not launch._descriptors(short, weight[:, :short.shape[1]], cfg)[2]
 
 
 def test_fp16_gradient_of_logits_is_kept_out_of_the_subnormal_range():

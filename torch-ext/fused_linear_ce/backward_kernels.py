@@ -22,6 +22,8 @@ def dlogits_kernel(
     class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     dlogits_ptr,  # (R, C) out, input dtype: da for rows [row0, row0 + R), classes [col0, col0 + C)
     dbias_ptr,  # (cdiv(R, BLOCK_N), V) fp32 out: per-row-block column sums of da, when BIAS_GRAD
+    hidden_desc,  # TMA: tensor descriptors (``logits.logit_tile``), else unused
+    weight_desc,
     row0,
     R,
     col0,
@@ -51,6 +53,7 @@ def dlogits_kernel(
     EVEN_H: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One program: one (BLOCK_N, BLOCK_V) tile of the block's da. 1-D grouped grid over
     cdiv(R, BLOCK_N) x cdiv(C, BLOCK_V) tiles. No atomics: bias partial sums go to their own row.
@@ -70,9 +73,9 @@ def dlogits_kernel(
     cols = col0 + tl.where(mask_v, local_v, 0)
 
     z = logit_tile(
-        hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
-        stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
+        hidden_ptr, weight_ptr, bias_ptr, hidden_desc, weight_desc, row0 + pid_m * BLOCK_N, col0 + pid_v * BLOCK_V,
+        rows, cols, H, stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
+        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
     )
     row_max = tl.load(lse_ptr + rows)
     log_sum = tl.load(lse_ptr + N + rows)

@@ -30,6 +30,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     resident: int = 1  # programs of these tiles one SM holds at once (shared memory, registers)
+    tma: bool = True  # operands through TMA tensor descriptors where the layout allows (``tma_layout``)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,14 @@ _CPU_SWEEP = TileConfig(block_n=16, block_v=256, block_h=64, group_m=4, num_warp
 _CPU_MATMUL = MatmulConfig(block_m=64, block_p=64, block_k=256, group_m=4, num_warps=1, num_stages=1)
 
 # GPU: 128 x 256 logit tiles over 64-wide H steps (H200: 15.2 ms vs 19.9 ms for 128 x 128 at S1);
-# 3 stages of 48 KB of operands: one program per SM.
+# 3 stages of 48 KB of operands: one program per SM. Operands through TMA descriptors (H200, bf16,
+# S1 evaluation forward 13.0-13.5 ms against 14.1-14.2 with pointer loads; NOTES v11).
 _GPU_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=8, num_warps=8, num_stages=3, resident=1)
-# fp32: 3 stages of 16 KB; two per SM assumed (not measured: fp32 is not a tuned case).
-_GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3, resident=2)
+# fp32: 3 stages of 16 KB; two per SM assumed (not measured: fp32 is not a tuned case). Pointer
+# loads: with TMA descriptors the fp32 sweep was slower (H200, 2048 x 1024 x 32000, TF32 off:
+# evaluation forward 12.7 ms against 9.9).
+_GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3, resident=2,
+                             tma=False)
 # The chunked path's sweep, one tile a program in a 1-D grid grouped by group_m row blocks (a wave
 # shares fewer rows and weight tiles): 256 x 128 tiles, groups of 16 (H200, S1: 42.0-43.4 ms
 # fwd+bwd against 47.3 with 128 x 256 tiles in the 2-D grid; benchmarks/NOTES.md).
@@ -75,6 +80,14 @@ def sweep_config(dtype: torch.dtype, *, chunked: bool = False) -> TileConfig:
     if dtype == torch.float32:
         return _GPU_SWEEP_FP32
     return _GPU_CHUNKED_SWEEP if chunked else _GPU_SWEEP
+
+
+def tma_layout(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand can go through a TMA tensor descriptor: contiguous rows, a row stride
+    and a base address that are multiples of 16 bytes, no empty dimension. Elsewhere the kernels
+    load through pointers (the same products; ``logits.logit_tile``)."""
+    return (t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 0 and t.stride(1) == 1
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def matmul_config(dtype: torch.dtype) -> MatmulConfig:

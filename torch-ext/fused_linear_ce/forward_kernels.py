@@ -30,6 +30,8 @@ def lse_sweep_kernel(
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
     e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
     stride_e,
+    hidden_desc,  # TMA: tensor descriptors (``logits.logit_tile``), else unused
+    weight_desc,
     N,
     V,
     H,
@@ -55,6 +57,7 @@ def lse_sweep_kernel(
     EVEN_H: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
     STORE_E: tl.constexpr = False,
     EMULATE_ROUNDING: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
@@ -95,9 +98,9 @@ def lse_sweep_kernel(
             mask_v = offs_v < V
             cols = tl.where(mask_v, offs_v, 0)
             z = logit_tile(
-                hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
-                stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
-                HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION,
+                hidden_ptr, weight_ptr, bias_ptr, hidden_desc, weight_desc, pid_n * BLOCK_N, vt * BLOCK_V,
+                rows, cols, H, stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
+                HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
             )
             z = tl.where(mask_v[None, :], z, float("-inf"))
             tile_max = tl.max(z, axis=1)

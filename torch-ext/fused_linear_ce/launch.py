@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs, parallel, products
 from .backward_kernels import dlogits_kernel
@@ -28,6 +29,16 @@ def logit_flags(dtype: torch.dtype) -> dict:
     """For kernels that compute logits: ``products.dot_flags`` and no fused multiply-add contraction where
     ``configs.fp_fusion`` says so, so that every kernel rounds z = scale * acc (- m) the same way."""
     return dict(products.dot_flags(dtype), enable_fp_fusion=configs.fp_fusion(dtype))
+
+
+def _descriptors(hidden, weight, cfg):
+    """(hidden's and weight's TMA tensor descriptors for ``cfg``'s tiles, True), or (hidden, weight,
+    False) where ``cfg`` or the layout rules them out (``configs.tma_layout``): the kernels then load
+    through pointers."""
+    if not (cfg.tma and configs.tma_layout(hidden) and configs.tma_layout(weight)):
+        return hidden, weight, False
+    return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
 
 
 def _bias_args(bias, like):
@@ -112,16 +123,17 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
 
     group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
     grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
+    hidden_desc, weight_desc, tma = _descriptors(hidden, weight, cfg)
     lse_sweep_kernel[grid](
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
-        n, v, h,
+        hidden_desc, weight_desc, n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
         SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
-        STORE_E=e_out is not None, EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
+        TMA=tma, STORE_E=e_out is not None, EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **logit_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
@@ -238,6 +250,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
 
     bias_arg, stride_b = _bias_args(bias, hidden)
     softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+    hidden_desc, weight_desc, tma = _descriptors(hidden, weight, cfg)
 
     def dlogits_block(dlogits, dbias, row0, r, col0, c, bias_grad):
         """da for rows [row0, row0 + r) x classes [col0, col0 + c) into ``dlogits`` (and the bias
@@ -245,7 +258,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
         dlogits_kernel[grid](
             hidden, weight, bias_arg, targets, lse2, coef,
-            class_weight if class_weight is not None else coef, dlogits, dbias,
+            class_weight if class_weight is not None else coef, dlogits, dbias, hidden_desc, weight_desc,
             row0, r, col0, c, v, h,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
             targets.stride(0), dlogits.stride(0), float(opts.logit_scale), softcap, n,
@@ -254,7 +267,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
             SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
             BIAS_GRAD=bias_grad,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
-            EVEN_H=h % cfg.block_h == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EVEN_H=h % cfg.block_h == 0, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **logit_flags(dtype),
         )
         return dlogits[:r, :c]

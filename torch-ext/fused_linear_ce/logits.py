@@ -60,6 +60,10 @@ def logit_tile(
     hidden_ptr,  # (N, H) fp32/bf16/fp16, any strides
     weight_ptr,  # (V, H) same dtype, any strides
     bias_ptr,  # (V,) same dtype, or a dummy when HAS_BIAS is False
+    hidden_desc,  # TMA: tensor descriptor of hidden, blocks (BLOCK_N, BLOCK_H); else unused
+    weight_desc,  # TMA: tensor descriptor of weight, blocks (BLOCK_V, BLOCK_H); else unused
+    row0,  # TMA: the tile's first row (may pass N: rows past the end load as 0)
+    col0,  # TMA: the tile's first class (likewise)
     rows,  # (BLOCK_N,) int64 row indices, already clamped into [0, N)
     cols,  # (BLOCK_V,) int64 class indices, already clamped into [0, V)
     H,
@@ -78,33 +82,46 @@ def logit_tile(
     EVEN_H: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Returns z for a (BLOCK_N, BLOCK_V) tile as fp32.
 
-    Rows and columns come clamped, so the loads need no row/column masks (out-of-range lanes
-    recompute a valid row and are masked by the caller); only a ragged H needs a mask.
+    TMA (the launcher's choice where the layout allows it, ``configs.tma_layout``): both operands
+    come through tensor descriptors, which fill rows, classes and H columns past the end with 0
+    (out-of-range lanes are masked by the caller). Else pointer loads: rows and columns come
+    clamped, so the loads need no row/column masks (out-of-range lanes recompute a valid row);
+    only a ragged H needs a mask. The same products either way.
     BF16_EMULATION upcasts the operands before ``tl.dot``: the launcher sets it under the Triton
     interpreter for bf16, whose ``tl.dot`` multiplies raw bits there (triton#11584). bf16 x bf16
     products are exact in fp32, so this computes what the tensor cores compute.
     """
-    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
-    x_base = hidden_ptr + rows[:, None] * stride_hn
-    w_base = weight_ptr + cols[None, :] * stride_wv
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_H)):
-        h = k * BLOCK_H + offs_h
-        x_ptrs = x_base + h[None, :] * stride_hh
-        w_ptrs = w_base + h[:, None] * stride_wh
-        if EVEN_H:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=h[None, :] < H, other=0.0)
-            w = tl.load(w_ptrs, mask=h[:, None] < H, other=0.0)
-        if BF16_EMULATION:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+    if TMA:
+        for k in range(0, tl.cdiv(H, BLOCK_H)):
+            x = hidden_desc.load([row0, k * BLOCK_H])
+            w = weight_desc.load([col0, k * BLOCK_H])
+            if BF16_EMULATION:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w.T, acc, input_precision=INPUT_PRECISION)
+    else:
+        offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+        x_base = hidden_ptr + rows[:, None] * stride_hn
+        w_base = weight_ptr + cols[None, :] * stride_wv
+        for k in range(0, tl.cdiv(H, BLOCK_H)):
+            h = k * BLOCK_H + offs_h
+            x_ptrs = x_base + h[None, :] * stride_hh
+            w_ptrs = w_base + h[:, None] * stride_wh
+            if EVEN_H:
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=h[None, :] < H, other=0.0)
+                w = tl.load(w_ptrs, mask=h[:, None] < H, other=0.0)
+            if BF16_EMULATION:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_b).to(tl.float32)[None, :]
     acc = acc * logit_scale
