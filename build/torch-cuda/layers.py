@@ -9,7 +9,6 @@ a host module decorated ``@use_kernel_forward_from_hub("ForCausalLMLoss")`` whos
 this signature gets its forward replaced.
 """
 
-import torch
 from torch import nn
 
 from .api import fused_linear_cross_entropy
