@@ -3,10 +3,11 @@
     python3 benchmarks/experiment_tma.py [--shapes S1 S3] [--out DIR]
 
 ``experiment_sweep.py`` found a reduced copy of the sweep 10% faster with TMA descriptors; this
-measures the package itself with ``TileConfig.tma`` on (as shipped) and off (pointer loads), per
-shape (bf16, tune.py's random data): the evaluation forward (no grad), and forward+backward at the
+measures the package itself with ``TileConfig.tma`` on and off (pointer loads) for every sweep
+config, per shape (bf16, tune.py's random data): the evaluation forward (no grad), and forward+backward at the
 default 256 MiB, at 64 MiB and chunked whole, each checked against an fp32 reference. On and off
-alternate, in two rounds. Also fp32 (a small shape, TF32 off): errors and the evaluation forward.
+alternate, in two rounds. Also fp32 (a small shape, TF32 off), where TMA measured slower: the
+shipped fp32 config keeps pointer loads since (``configs._GPU_SWEEP_FP32``).
 Prints a table last; writes experiment_tma.json under --out.
 """
 
