@@ -134,6 +134,19 @@ def test_tma_descriptors_where_the_layout_allows(dtype):
     assert not launch._descriptors(short, weight[:, :short.shape[1]], cfg)[2]
 
 
+@pytest.mark.parametrize("major", [7, 8, 9, 10])
+def test_tma_descriptors_only_with_tma_hardware(major, monkeypatch):
+    """A CUDA GPU below compute capability 9.0 (no TMA hardware) keeps the pointer loads."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(configs, "_capability", lambda index: (major, 0))
+    assert configs.tma_hardware(torch.device("cuda", 0)) is (major >= 9)
+    hidden = torch.randn(20, 48, device=DEVICE).to(torch.bfloat16)
+    weight = torch.randn(300, 48, device=DEVICE).to(torch.bfloat16)
+    cfg = dataclasses.replace(configs.sweep_config(torch.bfloat16), tma=True)
+    monkeypatch.setattr(configs, "tma_hardware", lambda device: major >= 9)
+    assert launch._descriptors(hidden, weight, cfg)[2] is (major >= 9)
+
+
 def test_fp16_gradient_of_logits_is_kept_out_of_the_subnormal_range():
     """At V = 20000 with a mean over ~96 rows, p / count ~ 5e-7 is subnormal in fp16 (below 6e-5):
     stored as is, dX / dW errors were 9.2e-4 / 5.0e-4 (plain torch: 1.3e-3 / 6.4e-4). The backward

@@ -82,6 +82,21 @@ def sweep_config(dtype: torch.dtype, *, chunked: bool = False) -> TileConfig:
     return _GPU_CHUNKED_SWEEP if chunked else _GPU_SWEEP
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def tma_hardware(device: torch.device) -> bool:
+    """Whether ``device`` loads through TMA tensor descriptors in hardware: CUDA compute capability
+    9.0 and up (Hopper, Blackwell). Older GPUs keep the pointer loads, the path they were measured
+    and tested on; the interpreter runs the descriptors too (so the CPU tests cover them)."""
+    if device.type != "cuda":
+        return interpreted()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.version.hip is None and _capability(index)[0] >= 9
+
+
 def tma_layout(t: torch.Tensor) -> bool:
     """Whether a 2-D operand can go through a TMA tensor descriptor: contiguous rows, a row stride
     and a base address that are multiples of 16 bytes, no empty dimension. Elsewhere the kernels

@@ -33,9 +33,10 @@ def logit_flags(dtype: torch.dtype) -> dict:
 
 def _descriptors(hidden, weight, cfg):
     """(hidden's and weight's TMA tensor descriptors for ``cfg``'s tiles, True), or (hidden, weight,
-    False) where ``cfg`` or the layout rules them out (``configs.tma_layout``): the kernels then load
-    through pointers."""
-    if not (cfg.tma and configs.tma_layout(hidden) and configs.tma_layout(weight)):
+    False) where ``cfg``, the GPU or the layout rules them out (``configs.tma_hardware``,
+    ``configs.tma_layout``): the kernels then load through pointers."""
+    if not (cfg.tma and configs.tma_hardware(hidden.device) and configs.tma_layout(hidden)
+            and configs.tma_layout(weight)):
         return hidden, weight, False
     return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
             TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
