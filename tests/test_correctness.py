@@ -91,9 +91,10 @@ def test_matches_float64_reference(case):
     check_three_way(case)
 
 
-# The logit tiles load their operands through TMA tensor descriptors where the layout allows it
-# (every case above, on the interpreter and on the GPU for 16-bit inputs) and through pointers
-# elsewhere (a misaligned or strided layout; fp32 on the GPU). These cases run the pointer loads:
+# The logit tiles and the Triton matmul load their operands through TMA tensor descriptors where the
+# layout allows it (most cases above, on the interpreter and on the GPU for 16-bit inputs) and
+# through pointers elsewhere (a misaligned or strided layout; fp32 on the GPU). These cases run the
+# pointer loads everywhere:
 # a ragged H with bias, scale and softcap; recompute over the whole plane; the chunked path over
 # four vocabulary tiles; vocabulary chunks with an accumulator.
 POINTER_CASES = []
@@ -109,7 +110,7 @@ for dtype in DTYPES:
 @pytest.mark.parametrize("case", POINTER_CASES, ids=lambda c: c.id)
 def test_pointer_loads_match_float64_reference(case, monkeypatch):
     for name, value in list(vars(configs).items()):
-        if isinstance(value, configs.TileConfig):
+        if isinstance(value, (configs.TileConfig, configs.MatmulConfig)):
             monkeypatch.setattr(configs, name, dataclasses.replace(value, tma=False))
     hidden, weight, _, _ = make_inputs(case)
     assert not launch._descriptors(hidden, weight, configs.sweep_config(case.dtype))[2]

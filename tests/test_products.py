@@ -1,11 +1,13 @@
 """Who runs the gradient products (``products``), and that every runner sums in fp32 and rounds once:
 cuBLAS may not round split-K partial sums to bf16 inside our calls, and the user's flags come back."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from conftest import DEVICE
-from fused_linear_ce import products
+from conftest import DEVICE, ON_GPU
+from fused_linear_ce import configs, products
 
 FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
@@ -95,3 +97,92 @@ def test_rows_product_without_a_factor_is_direct_and_with_one_scales_once():
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     products.rows_product(a, b, out, third)
     assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
+
+
+class _MatmulSpy:
+    """Wraps ``matmul_kernel`` and records each launch's TMA flags."""
+
+    def __init__(self, kernel):
+        self.kernel, self.flags = kernel, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.flags.append((kwargs["TMA"], kwargs["A_T"], kwargs["B_T"]))
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("a_t", [False, True], ids=["a-rows", "a-transposed"])
+@pytest.mark.parametrize("b_t", [False, True], ids=["b-rows", "b-transposed"])
+def test_matmul_through_tma_descriptors_is_the_sum_rounded_once(dtype, a_t, b_t, monkeypatch):
+    """The Triton matmul with a factor (the products that carry the mean's 1/count) loads both
+    operands through TMA descriptors over their storage, row-major or transposed (grad_weight's da^T
+    is da read by columns). Ragged M, K and P (blocks past the edges load as 0): the float64 product
+    times the factor, rounded once. fp32 accumulation and the factor applied before the rounding."""
+    if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
+        pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
+    spy = _MatmulSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    a, b = _operands(200, 328, 88, dtype, seed=3)
+    if a_t:
+        a = a.t().contiguous().t()
+    if b_t:
+        b = b.t().contiguous().t()
+    out = torch.empty(200, 88, dtype=dtype, device=DEVICE)
+    third = torch.tensor([1.0 / 3.0], device=DEVICE)
+    products.matmul(a, b, out, False, third)
+    assert spy.flags == [(True, a_t, b_t)]
+    assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
+    # Accumulating into fp32 adds to what is there.
+    acc = torch.ones(200, 88, dtype=torch.float32, device=DEVICE)
+    products.matmul(a, b, acc, True)
+    want = a.double() @ b.double() + 1.0
+    assert ((acc.double() - want).abs() / (a.double().abs() @ b.double().abs() + 1.0)).max() < 2.0**-20
+
+
+def test_matmul_takes_pointer_loads_where_tma_does_not_apply(monkeypatch):
+    """A row stride of 70 bf16 elements (140 bytes, not a multiple of 16) in A, fp32 on the GPU, or a
+    config without TMA: pointer loads, the sum rounded once all the same."""
+    spy = _MatmulSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    a, b = _operands(48, 70, 40, torch.bfloat16, seed=4)  # a: contiguous 140-byte rows
+    out = torch.empty(48, 40, dtype=torch.bfloat16, device=DEVICE)
+    products.matmul(a, b, out, False)
+    assert spy.flags[-1][0] is False
+    assert _beyond_one_rounding(out, a, b) <= 2.0**-16
+    aligned = torch.zeros(48, 72, dtype=torch.bfloat16, device=DEVICE)
+    aligned[:, :70] = a  # a view with 144-byte rows: TMA
+    products.matmul(aligned[:, :70], b, out, False)
+    assert spy.flags[-1][0] is True and _beyond_one_rounding(out, a, b) <= 2.0**-16
+    a32, b32 = _operands(48, 64, 40, torch.float32, seed=5)
+    products.matmul(a32, b32, torch.empty(48, 40, device=DEVICE), False)
+    assert spy.flags[-1][0] is (not ON_GPU)  # fp32 keeps pointer loads on the GPU (NOTES v12)
+    monkeypatch.setattr(configs, "_GPU_MATMUL", dataclasses.replace(configs._GPU_MATMUL, tma=False))
+    monkeypatch.setattr(configs, "_CPU_MATMUL", dataclasses.replace(configs._CPU_MATMUL, tma=False))
+    again = torch.empty_like(out)
+    products.matmul(aligned[:, :70], b, again, False)
+    assert spy.flags[-1][0] is False and _beyond_one_rounding(again, a, b) <= 2.0**-16
+
+
+def test_product_with_a_factor_rounds_once_where_the_matmul_loads_through_tma(monkeypatch):
+    """``product(scale_after=True)`` (the chunked path) applies a bf16 factor in the matmul's epilogue
+    where it loads through TMA (``rounds_once``), else runs cuBLAS and scales after it; fp16 always
+    goes to the matmul."""
+    if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
+        pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
+    spy = _MatmulSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    third = torch.tensor([1.0 / 3.0], device=DEVICE)
+    a, b = _operands(64, 200, 40, torch.bfloat16, seed=6)  # a: 400-byte rows
+    assert products.rounds_once(a, b) and products.rounds_once(a.half(), b.half())
+    out = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
+    products.product(a, b, out, False, third, scale_after=True)
+    assert spy.flags == [(True, False, False)]
+    assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
+    a, b = _operands(64, 198, 40, torch.bfloat16, seed=6)  # a: 396-byte rows, no TMA
+    assert not products.rounds_once(a, b) and products.rounds_once(a.half(), b.half())
+    products.product(a, b, out, False, third, scale_after=True)
+    assert len(spy.flags) == 1  # cuBLAS (or its CPU stand-in), then ``scale``
+    torch.testing.assert_close(out.double(), (a.double() @ b.double()) / 3, rtol=8e-3, atol=1e-2)

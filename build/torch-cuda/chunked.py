@@ -8,13 +8,14 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
 2. the merge gives the rows' lse (merged across ranks for a vocabulary shard);
 3. ``softmax_gradient_kernel`` turns the buffer into da in place (the input dtype);
 4. grad_hidden[rows] = da @ weight and grad_weight (+)= da^T @ hidden[rows], fp32 accumulation
-   (``products``). The common factor (1 / sum of target weights for "mean") is not in da: bf16
-   products into the gradient run on cuBLAS and are then scaled by it in place (two independent
-   roundings, the second exact when the factor is a power of two); fp16 (with the power of two that
-   keeps da out of the subnormals) and fp32 apply it in the Triton matmul's epilogue. The target
-   coefficient B (1 - eps, a class weight) leaves da as on the recompute path (``losses.normalize``)
-   only where that adds no rounding (``losses.normalize_if_free``); elsewhere, where it is one value
-   inexact in bf16 on every row, its rounding repeats.
+   (``products``). The common factor (1 / sum of target weights for "mean") is not in da: the
+   Triton matmul applies it in its epilogue, one rounding (fp16 with the power of two that keeps da
+   out of the subnormals, fp32, and bf16 where the matmul loads through TMA: ``products.rounds_once``).
+   Elsewhere bf16 products run on cuBLAS and are then scaled in place (two independent roundings,
+   the second exact when the factor is a power of two). The target coefficient B (1 - eps, a class
+   weight) leaves da as on the recompute path (``losses.normalize``), after cuBLAS only where that
+   adds no rounding (``losses.normalize_if_free``); elsewhere, where it is one value inexact in bf16
+   on every row, its rounding repeats.
 
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). Sums across chunks
 go through an fp32 buffer (grad_weight: V x H when there is more than one chunk), as in the
@@ -96,10 +97,14 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)
-        # B (1 - eps, a class weight) leaves da only where that adds no rounding after cuBLAS: moving
-        # its mantissa into an exact factor costs more than it saves (label smoothing 0.1: 1.47x
-        # against 1.29x one rounding).
-        coef, chunk_common = losses.normalize_if_free(coef, common)
+        # B (1 - eps, a class weight) leaves da as on the recompute path where the products apply
+        # the factor in their epilogue (one rounding); after cuBLAS only where that adds no
+        # rounding: moving its mantissa into an exact factor costs more than it saves there (label
+        # smoothing 0.1: 1.47x against 1.29x one rounding).
+        if products.rounds_once(e, weight) and products.rounds_once(e.t(), hidden[sl]):
+            coef, chunk_common = losses.normalize(coef, common)
+        else:
+            coef, chunk_common = losses.normalize_if_free(coef, common)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
             coef, chunk_unscale = launch.lift_fp16(coef, chunk_unscale, class_weight, opts.logit_scale)

@@ -98,11 +98,23 @@ def dlogits_kernel(
 
 
 @triton.jit
+def load_block(desc, row0, col0, TRANSPOSED: tl.constexpr):
+    """The block at (row0, col0) of a matrix whose descriptor is over it (or over its transpose when
+    TRANSPOSED: the stored block at (col0, row0), transposed)."""
+    if TRANSPOSED:
+        return desc.load([col0, row0]).T
+    else:
+        return desc.load([row0, col0])
+
+
+@triton.jit
 def matmul_kernel(
     a_ptr,  # (M, K) any strides
     b_ptr,  # (K, P) any strides
     c_ptr,  # (M, P) out; fp32 when ACCUMULATE
     scale_ptr,  # (1,) fp32: multiplies A @ B when HAS_SCALE (undoes the fp16 da scaling)
+    a_desc,  # TMA: tensor descriptor of A as stored (of A^T when A_T), else unused
+    b_desc,  # TMA: tensor descriptor of B as stored (of B^T when B_T), else unused
     M,
     P,
     K,
@@ -123,13 +135,20 @@ def matmul_kernel(
     EVEN_K: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
+    A_T: tl.constexpr = False,
+    B_T: tl.constexpr = False,
 ):
     """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
 
     1-D grouped grid over cdiv(M, BLOCK_M) x cdiv(P, BLOCK_P). The whole K reduction stays in the
     program's fp32 accumulator; ACCUMULATE adds an fp32 C read back (no atomics: one writer per tile).
-    Ragged edges are masked, not clamped: clamping hides the contiguity of an operand whose M or P
-    dimension is its contiguous one (da^T, weight), and the loads then lose their vector width.
+    TMA (the launcher's choice, ``products.matmul``): both operands through tensor descriptors over
+    their row-major storage; an operand stored transposed (da^T is da read by columns) loads its
+    (K, M) or (P, K) block and transposes it in shared memory. Blocks past an edge load as 0.
+    Else pointer loads, ragged edges masked, not clamped: clamping hides the contiguity of an
+    operand whose M or P dimension is its contiguous one (da^T, weight), and the loads then lose
+    their vector width.
     """
     pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,17 +160,21 @@ def matmul_kernel(
     b_base = b_ptr + offs_p[None, :] * stride_bp
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        kk = k * BLOCK_K + offs_k
-        a_ptrs = a_base + kk[None, :] * stride_ak
-        b_ptrs = b_base + kk[:, None] * stride_bk
-        if EVEN_M and EVEN_K:
-            a = tl.load(a_ptrs)
+        if TMA:
+            a = load_block(a_desc, pid_m * BLOCK_M, k * BLOCK_K, A_T)
+            b = load_block(b_desc, k * BLOCK_K, pid_p * BLOCK_P, B_T)
         else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-        if EVEN_P and EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=(kk[:, None] < K) & mask_p[None, :], other=0.0)
+            kk = k * BLOCK_K + offs_k
+            a_ptrs = a_base + kk[None, :] * stride_ak
+            b_ptrs = b_base + kk[:, None] * stride_bk
+            if EVEN_M and EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+            if EVEN_P and EVEN_K:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=(kk[:, None] < K) & mask_p[None, :], other=0.0)
         if BF16_EMULATION:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

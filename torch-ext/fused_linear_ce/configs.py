@@ -41,6 +41,7 @@ class MatmulConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    tma: bool = True  # operands through TMA tensor descriptors where the layout allows (``tma_layout``)
 
 
 # Interpreter: every program runs in numpy, so fewer, larger tiles are faster; tl.dot needs >= 16.
@@ -60,8 +61,12 @@ _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_
 # shares fewer rows and weight tiles): 256 x 128 tiles, groups of 16 (H200, S1: 42.0-43.4 ms
 # fwd+bwd against 47.3 with 128 x 256 tiles in the 2-D grid; benchmarks/NOTES.md).
 _GPU_CHUNKED_SWEEP = TileConfig(block_n=256, block_v=128, block_h=64, group_m=16, num_warps=8, num_stages=3)
+# The Triton matmul (products with a factor in the epilogue): TMA loads reach cuBLAS's rate where
+# pointer loads took 1.23x (H200, S1 grad_weight blocks, M=4096 K=8192 P=4096: 0.38 ms against 0.47,
+# cuBLAS 0.38; NOTES v12). fp32 keeps pointer loads, as the fp32 sweep.
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
-_GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+_GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3,
+                                tma=False)
 
 # The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
 # this share (``vocab_splits``).

@@ -1,6 +1,6 @@
 """The gradient products, and who runs each: every product's K reduction is summed in fp32, whatever
-runs it, and a 16-bit result is rounded once (twice where the chunked path scales it after cuBLAS:
-``product``).
+runs it, and a 16-bit result is rounded once (twice where the chunked path scales it after cuBLAS,
+on GPUs or layouts without TMA: ``product``).
 
 - ``direct``: out = a @ b, a 16-bit result written straight into a gradient, nothing added or
   scaled. bf16 goes to cuBLAS (``torch.mm``) with its reduced-precision reductions turned off for
@@ -12,7 +12,8 @@ runs it, and a 16-bit result is rounded once (twice where the chunked path scale
 - ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``).
 - ``rows_product``: a block of whole vocabulary rows' grad_hidden (a long V reduction that cuBLAS
   splits across the GPU), scaled once.
-- ``matmul``: the package's Triton matmul, c (+)= (a @ b) [* unscale], for every other case.
+- ``matmul``: the package's Triton matmul, c (+)= (a @ b) [* unscale], for every other case;
+  TMA loads where the GPU and the layouts allow (cuBLAS's rate on the H200), else pointer loads.
 - ``scale``: src * g, fp32 arithmetic, one rounding.
 
 Off the GPU the cuBLAS calls become products of the upcast operands (exact), summed in fp32 and
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from .backward_kernels import matmul_kernel
@@ -53,21 +55,54 @@ def full_precision_reductions():
         flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """(a TMA descriptor over ``t``'s storage, whether it is over ``t``'s transpose), or None when
+    neither ``t`` nor ``t.T`` has a layout TMA takes (``configs.tma_layout``)."""
+    if configs.tma_layout(t):
+        return TensorDescriptor.from_tensor(t, [block_rows, block_cols]), False
+    if configs.tma_layout(t.t()):
+        return TensorDescriptor.from_tensor(t.t(), [block_cols, block_rows]), True
+    return None
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig):
+    """((a's descriptor, transposed), (b's descriptor, transposed)) when ``matmul`` loads through
+    TMA: the config, the GPU and both layouts allow it; else None."""
+    if not (cfg.tma and a.shape[1] > 0 and configs.tma_hardware(a.device)):
+        return None
+    a_tma = _descriptor(a, cfg.block_m, cfg.block_k)
+    b_tma = _descriptor(b, cfg.block_k, cfg.block_p)
+    return (a_tma, b_tma) if a_tma is not None and b_tma is not None else None
+
+
+def rounds_once(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``product(a, b, out, False, factor, scale_after=True)`` into a 16-bit ``out`` rounds
+    once (the factor in the Triton matmul's epilogue) rather than twice (cuBLAS, then ``scale``):
+    bf16 goes to the matmul where it loads through TMA, as fast as cuBLAS there (NOTES v12); fp16
+    and fp32 always go to the matmul."""
+    return a.dtype != torch.bfloat16 or _tma_operands(a, b, configs.matmul_config(a.dtype)) is not None
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
     """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
-    strides; ``unscale`` an optional fp32 (1,) device tensor."""
+    strides; ``unscale`` an optional fp32 (1,) device tensor. The operands load through TMA
+    descriptors where the config, the GPU and both layouts allow it, else through pointers."""
     m, k = a.shape
     p = b.shape[1]
     if m == 0 or p == 0:
         return
     cfg = configs.matmul_config(a.dtype)
+    descriptors = _tma_operands(a, b, cfg)
+    tma = descriptors is not None
+    (a_desc, a_t), (b_desc, b_t) = descriptors if tma else ((a, False), (b, False))
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
-        a, b, c, unscale if unscale is not None else c, m, p, k,
+        a, b, c, unscale if unscale is not None else c, a_desc, b_desc, m, p, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
         BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
+        TMA=tma, A_T=a_t, B_T=b_t,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(a.dtype),
     )
 
@@ -90,14 +125,15 @@ def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
             scale_after: bool = False) -> None:
     """out (+)= (a @ b) [* unscale]: ``direct`` when the result goes straight into ``out`` in the
     operands' dtype and nothing scales it, else ``matmul`` (the factor applied in fp32 before the
-    one rounding). With ``scale_after`` a bf16 result with a factor also goes to ``direct`` and is
-    then scaled in place: rounded twice, by cuBLAS and by ``scale``, each element independently (the
+    one rounding). With ``scale_after``, where the matmul would load through pointers
+    (``rounds_once`` is False), a bf16 result with a factor also goes to ``direct`` and is then
+    scaled in place: rounded twice, by cuBLAS and by ``scale``, each element independently (the
     chunked path's speed for half an ulp more; exact when the factor is a power of two).
 
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
     relative error repeated across the batch (tests/test_rounding.py)."""
-    runs_direct = unscale is None or (scale_after and a.dtype == torch.bfloat16)
+    runs_direct = unscale is None or (scale_after and not rounds_once(a, b))
     if not accumulate and out.dtype == a.dtype and runs_direct:
         direct(a, b, out)
         if unscale is not None:
