@@ -78,6 +78,9 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "sum", logit_scale=2.5, softcap=4.0, chunk_bytes=1, extra=dict(strategy="chunked")),
         Case(77, 40, 500, dtype, "mean", grad=("weight",), chunk_bytes=32 * 500 * dtype.itemsize,
              extra=dict(strategy="chunked")),
+        # V a multiple of every config's vocabulary tile (no column mask, EVEN_V), both paths.
+        Case(40, 48, 768, dtype, "mean", bias=True, ignored=0.2, extra=dict(strategy="chunked")),
+        Case(40, 48, 768, dtype, "sum", ignored=0.2, extra=dict(strategy="recompute")),
         # Four vocabulary tiles (CPU), whole and in two chunks of rows.
         Case(40, 48, 1000, dtype, "sum", logit_scale=1.5, softcap=4.0, bias=True, ignored=0.2,
              extra=dict(strategy="chunked")),
@@ -133,6 +136,26 @@ def test_tma_descriptors_where_the_layout_allows(dtype):
     assert not configs.tma_layout(torch.randn(20 * 48 + 1, device=DEVICE).to(dtype)[1:].view(20, 48))
     assert not configs.tma_layout(hidden[:0])
     assert not launch._descriptors(short, weight[:, :short.shape[1]], cfg)[2]
+
+
+@pytest.mark.parametrize("v, e_tma", [(1000, True), (500, False)])
+def test_chunked_sweep_stores_through_a_descriptor_where_the_layout_allows(v, e_tma, monkeypatch):
+    """The chunked path's sweep writes exp(z - m_tile) through a TMA descriptor when the (R, V)
+    buffer's rows are 16-byte multiples (V = 1000 bf16: 2000 bytes), else through pointers (V = 500:
+    1000 bytes); the gradients match float64 either way (the case matrix has both)."""
+    if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
+        pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
+    launches = []
+    real = launch.lse_sweep_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs["E_TMA"]) or real[grid](*args, **kwargs)
+
+    monkeypatch.setattr(launch, "lse_sweep_kernel", Spy())
+    case = Case(40, 48, v, torch.bfloat16, "mean", ignored=0.2, extra=dict(strategy="chunked"))
+    check_three_way(case)
+    assert launches and set(launches) == {e_tma}
 
 
 @pytest.mark.parametrize("major", [7, 8, 9, 10])

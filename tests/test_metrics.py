@@ -15,6 +15,8 @@ METRIC_CASES = [
     Case(77, 96, 500, torch.float32, "none", bias=True, logit_scale=0.5, softcap=3.0),
     Case(33, 40, 1000, torch.float16, "sum", ignored=0.2, bias=True),
     Case(33, 40, 1000, torch.bfloat16, "mean", softcap=2.0),
+    # V a multiple of every config's vocabulary tile: no tile has columns past the end (EVEN_V).
+    Case(33, 40, 768, torch.bfloat16, "mean", ignored=0.2, bias=True),
 ]
 
 

@@ -82,10 +82,14 @@ def dlogits_kernel(
     coef_a = tl.load(coef_ptr + rows)
     coef_b = tl.load(coef_ptr + N + rows)
     target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
+    # The target's column within this tile (int32; -1 when another tile or shard holds it).
+    tile_col0 = vocab_offset + col0 + pid_v.to(tl.int64) * BLOCK_V
+    in_tile = (target >= tile_col0) & (target < tile_col0 + BLOCK_V)
+    target_col = tl.where(in_tile, target - tile_col0, -1).to(tl.int32)
 
     p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
     d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
-    d -= tl.where(offs_v[None, :] + vocab_offset == target[:, None], coef_b[:, None], 0.0)
+    d -= tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], coef_b[:, None], 0.0)
     d = label_terms(d, coef_b, coef_ptr + 2 * N + rows, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
     if HAS_SOFTCAP:
         tc = z / softcap

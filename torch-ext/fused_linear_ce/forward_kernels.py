@@ -32,6 +32,7 @@ def lse_sweep_kernel(
     stride_e,
     hidden_desc,  # TMA: tensor descriptors (``logits.logit_tile``), else unused
     weight_desc,
+    e_desc,  # E_TMA: a tensor descriptor of the (N, V) out, blocks (BLOCK_N, BLOCK_V); else unused
     N,
     V,
     H,
@@ -58,7 +59,9 @@ def lse_sweep_kernel(
     BF16_EMULATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    EVEN_V: tl.constexpr = False,  # V is a multiple of BLOCK_V: no tile has columns past the end
     STORE_E: tl.constexpr = False,
+    E_TMA: tl.constexpr = False,
     EMULATE_ROUNDING: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
 ):
@@ -79,6 +82,10 @@ def lse_sweep_kernel(
     mask_n = offs_n < N
     rows = tl.where(mask_n, offs_n, 0)
     target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
+    # The target's class in this weight's rows (int32), or -1 when it is outside them (another
+    # shard's, or out of range): each tile compares its own columns against it in int32.
+    in_shard = (target >= vocab_offset) & (target < vocab_offset + V)
+    target_col = tl.where(in_shard, target - vocab_offset, -1).to(tl.int32)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -102,7 +109,8 @@ def lse_sweep_kernel(
                 rows, cols, H, stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
                 HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
             )
-            z = tl.where(mask_v[None, :], z, float("-inf"))
+            if not EVEN_V:
+                z = tl.where(mask_v[None, :], z, float("-inf"))
             tile_max = tl.max(z, axis=1)
             m_new = tl.maximum(m, tile_max)
             alpha = tl.exp(m - m_new)
@@ -113,10 +121,14 @@ def lse_sweep_kernel(
                 if HAS_SOFTCAP:
                     tc = z / softcap
                     e_out = tl.where(mask_v[None, :], e * (1.0 - tc * tc), 0.0)
-                e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :]
-                tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, EMULATE_ROUNDING),
-                         mask=mask_n[:, None] & mask_v[None, :])
-            is_target = (offs_v[None, :] + vocab_offset == target[:, None]) & mask_v[None, :]
+                if E_TMA:  # rows and classes past the end are not written
+                    e_desc.store([pid_n * BLOCK_N, vt * BLOCK_V],
+                                 round_to(e_out, e_desc.dtype, EMULATE_ROUNDING))
+                else:
+                    e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :]
+                    tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, EMULATE_ROUNDING),
+                             mask=mask_n[:, None] & mask_v[None, :])
+            is_target = tl.arange(0, BLOCK_V)[None, :] == (target_col - vt * BLOCK_V)[:, None]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
             if SMOOTHING:
                 if HAS_CLASS_WEIGHT:
@@ -125,7 +137,8 @@ def lse_sweep_kernel(
                 else:
                     wz += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
             if METRICS:
-                pz = pz * alpha + tl.sum(tl.where(mask_v[None, :], e * z, 0.0), axis=1)
+                ez = e * z if EVEN_V else tl.where(mask_v[None, :], e * z, 0.0)  # not 0 * -inf
+                pz = pz * alpha + tl.sum(ez, axis=1)
                 tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
                 better = tile_max > best
                 best = tl.where(better, tile_max, best)

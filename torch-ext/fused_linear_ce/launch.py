@@ -125,16 +125,21 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
     grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
     hidden_desc, weight_desc, tma = _descriptors(hidden, weight, cfg)
+    # The chunked path's exp(z - m_tile) goes out through a descriptor too where its layout allows:
+    # a 2-D tile of pointers for the store spilled registers (NOTES v12).
+    e_tma = e_out is not None and tma and configs.tma_layout(e_out)
+    e_desc = TensorDescriptor.from_tensor(e_out, [cfg.block_n, cfg.block_v]) if e_tma else stats
     lse_sweep_kernel[grid](
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
-        hidden_desc, weight_desc, n, v, h,
+        hidden_desc, weight_desc, e_desc, n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
         SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
-        TMA=tma, STORE_E=e_out is not None, EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
+        TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma,
+        EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **logit_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
