@@ -11,6 +11,8 @@ The bound, from the code (``launch.py``, ``ops.py``, ``losses.py``), above the i
 - O(N): the forward's partial statistics (NUM_STATS x SPLIT x N fp32, SPLIT from
   ``configs.vocab_splits``), and per-row fp32 / int64 / bool vectors (lse, target logit, loss terms,
   target weights, the backward's (3, N) coefficients and their temporaries), fewer than 32 of them;
+- a product whose output has fewer tiles than half the SMs (a ragged last block) runs on cuBLAS
+  with an fp32 result: at most (SMs / 2) tiles of 128 x 256 fp32 (``products.few_tiles``);
 - slack for the caching allocator: each live block may be up to 1 MiB larger than asked for.
 No bias here (its (N / block_n) x V fp32 partial sums would add to the O(N) part).
 
@@ -89,7 +91,10 @@ def _bound(chunk_bytes, strategy) -> int:
     passes = configs.plan_passes(N, V, H, DTYPE, chunk_bytes, cfg.block_n, cfg.block_v, True, True)
     splits = configs.vocab_splits(triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v), torch.device("cuda"))
     per_row = 4 * N * NUM_STATS * splits + 32 * 8 * N
-    return gradients + max(p.extra_bytes(N, V, H, itemsize) for p in passes) + per_row + ALLOCATOR_SLACK
+    mm = configs.matmul_config(DTYPE)
+    few_tile_result = configs.sm_count(torch.device("cuda")) // 2 * mm.block_m * mm.block_p * 4
+    return (gradients + max(p.extra_bytes(N, V, H, itemsize) for p in passes) + per_row + few_tile_result
+            + ALLOCATOR_SLACK)
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])

@@ -174,6 +174,7 @@ def test_product_with_a_factor_rounds_once_where_the_matmul_loads_through_tma(mo
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
     spy = _MatmulSpy(products.matmul_kernel)
     monkeypatch.setattr(products, "matmul_kernel", spy)
+    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     a, b = _operands(64, 200, 40, torch.bfloat16, seed=6)  # a: 400-byte rows
     assert products.rounds_once(a, b) and products.rounds_once(a.half(), b.half())
@@ -186,3 +187,36 @@ def test_product_with_a_factor_rounds_once_where_the_matmul_loads_through_tma(mo
     products.product(a, b, out, False, third, scale_after=True)
     assert len(spy.flags) == 1  # cuBLAS (or its CPU stand-in), then ``scale``
     torch.testing.assert_close(out.double(), (a.double() @ b.double()) / 3, rtol=8e-3, atol=1e-2)
+
+
+def test_a_product_with_few_output_tiles_goes_to_cublas_with_an_fp32_result_and_rounds_once(monkeypatch):
+    """Few output tiles (under half the SMs) with a long K: the Triton matmul would leave most of the
+    GPU idle, so a bf16 product with a factor runs on cuBLAS with an fp32 result and one ``scale``,
+    with or without ``scale_after``. (On the CPU ``few_tiles`` is never true: patched here.)"""
+    spy = _MatmulSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    monkeypatch.setattr(products, "few_tiles", lambda a, b: True)
+    third = torch.tensor([1.0 / 3.0], device=DEVICE)
+    a, b = _operands(64, 198, 40, torch.bfloat16, seed=7)  # no TMA layout either
+    assert products.rounds_once(a, b)
+    for scale_after in (False, True):
+        out = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
+        products.product(a, b, out, False, third, scale_after=scale_after)
+        assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
+    assert spy.flags == []
+
+
+def test_few_tiles_counts_the_matmul_output_tiles_against_the_sms():
+    """S2's chunked grad_hidden at 256 MiB (512 rows x H 2304: 36 tiles of 128 x 256) is few on an
+    H200 (132 SMs); S1's (1024 x 4096: 128 tiles) is not; nothing is on the CPU."""
+    if not ON_GPU:
+        a, b = _operands(8, 16, 8, torch.bfloat16)
+        assert not products.few_tiles(a, b)
+        return
+    one = torch.zeros((1, 1), dtype=torch.bfloat16, device=DEVICE)
+    sms = configs.sm_count(one.device)
+    cfg = configs.matmul_config(torch.bfloat16)
+    for m, p in ((512, 2304), (1024, 4096), (128, 256)):
+        tiles = -(-m // cfg.block_m) * -(-p // cfg.block_p)
+        got = products.few_tiles(one.expand(m, 1000), one.expand(1000, p))
+        assert got == (2 * tiles < sms)

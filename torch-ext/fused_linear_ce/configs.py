@@ -98,8 +98,7 @@ def tma_hardware(device: torch.device) -> bool:
     and tested on; the interpreter runs the descriptors too (so the CPU tests cover them)."""
     if device.type != "cuda":
         return interpreted()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.version.hip is None and _capability(index)[0] >= 9
+    return torch.version.hip is None and _capability(_index(device))[0] >= 9
 
 
 def tma_layout(t: torch.Tensor) -> bool:
@@ -121,6 +120,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device when it has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``."""
+    return _sm_count(_index(device))
+
+
 def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:
     """How many programs share one row block's vocabulary sweep (each a contiguous range of tiles).
 
@@ -132,7 +141,7 @@ def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *,
     against 15.8 for the 5 of the earlier rule (2 programs per SM), S3 1 split 18.7 against 23.1."""
     if interpreted() or device.type != "cuda":
         return max(1, min(_CPU_SPLITS, n_vocab_tiles))
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     return _fewest_full_splits(max(1, n_row_blocks), max(1, n_vocab_tiles), sms * resident)
 
 

@@ -75,12 +75,25 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig):
     return (a_tma, b_tma) if a_tma is not None and b_tma is not None else None
 
 
+def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``matmul``'s output (one program a tile, the whole K reduction in each) has fewer tiles
+    than half the GPU's SMs: most of the one wave idle behind long K loops. The chunked path's
+    grad_hidden of a few hundred rows by the whole vocabulary is one (S2 at 256 MiB: 36 tiles of
+    128 x 256 for 132 SMs, 106 ms against 88 on cuBLAS; NOTES v12). Never on the interpreter."""
+    if a.device.type != "cuda":
+        return False
+    cfg = configs.matmul_config(a.dtype)
+    tiles = triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
+    return 2 * tiles < configs.sm_count(a.device)
+
+
 def rounds_once(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``product(a, b, out, False, factor, scale_after=True)`` into a 16-bit ``out`` rounds
-    once (the factor in the Triton matmul's epilogue) rather than twice (cuBLAS, then ``scale``):
-    bf16 goes to the matmul where it loads through TMA, as fast as cuBLAS there (NOTES v12); fp16
-    and fp32 always go to the matmul."""
-    return a.dtype != torch.bfloat16 or _tma_operands(a, b, configs.matmul_config(a.dtype)) is not None
+    once rather than twice (cuBLAS, then ``scale``): fp16 and fp32 always go to the matmul (the
+    factor in its epilogue); bf16 where the matmul loads through TMA, as fast as cuBLAS there (NOTES
+    v12), or where its output has ``few_tiles`` (cuBLAS with an fp32 result, then one rounding)."""
+    return (a.dtype != torch.bfloat16 or few_tiles(a, b)
+            or _tma_operands(a, b, configs.matmul_config(a.dtype)) is not None)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
@@ -125,21 +138,34 @@ def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
             scale_after: bool = False) -> None:
     """out (+)= (a @ b) [* unscale]: ``direct`` when the result goes straight into ``out`` in the
     operands' dtype and nothing scales it, else ``matmul`` (the factor applied in fp32 before the
-    one rounding). With ``scale_after``, where the matmul would load through pointers
-    (``rounds_once`` is False), a bf16 result with a factor also goes to ``direct`` and is then
-    scaled in place: rounded twice, by cuBLAS and by ``scale``, each element independently (the
-    chunked path's speed for half an ulp more; exact when the factor is a power of two).
+    one rounding). A bf16 result with a factor whose output has ``few_tiles`` goes to cuBLAS with
+    an fp32 result (which splits the long K reduction across the GPU) and one ``scale``: one
+    rounding, and an fp32 (M, P) buffer while it runs: under half the SMs' worth of 128 x 256
+    tiles, 8.25 MiB on an H200 (outside ``chunk_bytes``, like the O(N) statistics).
+    With ``scale_after``, where the matmul would load through pointers (``rounds_once`` is False),
+    a bf16 result with a factor also goes to ``direct`` and is then scaled in place: rounded twice,
+    by cuBLAS and by ``scale``, each element independently (the chunked path's speed for half an
+    ulp more; exact when the factor is a power of two).
 
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
     relative error repeated across the batch (tests/test_rounding.py)."""
-    runs_direct = unscale is None or (scale_after and not rounds_once(a, b))
-    if not accumulate and out.dtype == a.dtype and runs_direct:
+    into_gradient = not accumulate and out.dtype == a.dtype
+    if into_gradient and unscale is not None and a.dtype == torch.bfloat16 and few_tiles(a, b):
+        _fp32_then_scale(a, b, out, unscale)
+    elif into_gradient and (unscale is None or (scale_after and not rounds_once(a, b))):
         direct(a, b, out)
         if unscale is not None:
             scale(out, unscale, out=out)
     else:
         matmul(a, b, out, accumulate, unscale)
+
+
+def _fp32_then_scale(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, unscale) -> None:
+    """out = (a @ b) * unscale: cuBLAS with an fp32 result (``accumulate``), then one ``scale``."""
+    result = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    accumulate(a, b, result, True)
+    scale(result, unscale if unscale is not None else torch.ones((1,), device=a.device), out=out)
 
 
 def accumulate(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
@@ -165,9 +191,7 @@ def rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unsc
     if unscale is None and out.dtype == da.dtype and da.dtype == torch.bfloat16:
         direct(da, weight, out)
         return
-    result = torch.empty((da.shape[0], weight.shape[1]), dtype=torch.float32, device=da.device)
-    accumulate(da, weight, result, True)
-    scale(result, unscale if unscale is not None else torch.ones((1,), device=da.device), out=out)
+    _fp32_then_scale(da, weight, out, unscale)
 
 
 def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
