@@ -1,6 +1,7 @@
 """What the one-call experiment scripts share: the fp32 reference, one variant's errors / time /
 extra memory, and per-kernel times of one step. Inputs and the error measure are ``tune.py``'s."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,6 +88,90 @@ def measure(step, fn, ref, grads_bytes):
     out["extra_mib"] = (torch.cuda.max_memory_allocated() - base - grads_bytes) / MiB
     out["ms"] = triton.testing.do_bench(lambda: step(fn), warmup=3, rep=40)
     return out
+
+
+def measured_row(step, fn, ref, grads_bytes, **labels):
+    """``labels`` with ``measure``'s figures, or with the error when the variant fails (a row, not a
+    crash)."""
+    try:
+        return dict(labels, **measure(step, fn, ref, grads_bytes))
+    except Exception as exc:
+        return dict(labels, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def package_eval(hidden, weight, targets):
+    """The package's evaluation forward (no grad, per-row losses) as a closure."""
+    from fused_linear_ce import fused_linear_cross_entropy
+
+    def run():
+        with torch.no_grad():
+            return fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+
+    return run
+
+
+def probe(script, shape, variant):
+    """Builds and runs one variant of ``script`` in a child process (``answer_probe`` there); True
+    when it exits cleanly, so that a compiler abort does not end the whole run."""
+    rc = subprocess.run([sys.executable, script, "--probe", shape, variant], timeout=300).returncode
+    print(f"  probe {variant}: rc {rc}", flush=True)
+    return rc == 0
+
+
+def answer_probe(shapes, specs, runner) -> bool:
+    """In a ``probe`` child (``--probe SHAPE VARIANT`` on the command line): builds the variant with
+    ``runner(hidden, weight, targets, **specs[VARIANT])`` on ``problem(*shapes[SHAPE])`` and runs it
+    once. True when this process is such a child."""
+    if sys.argv[1:2] != ["--probe"]:
+        return False
+    shape, variant = sys.argv[2:4]
+    hidden, weight, targets = problem(*shapes[shape])
+    run, _ = runner(hidden, weight, targets, **specs[variant])
+    run()
+    torch.cuda.synchronize()
+    return True
+
+
+def checked_variants(script, shape, specs, runner, hidden, weight, targets, ref, probed):
+    """Builds each of ``specs`` with ``runner(hidden, weight, targets, **spec)``, runs it once and
+    checks its per-row losses against ``ref`` (the package's) to 1e-5 of the largest; those for
+    which ``probed(name, spec)`` holds are first built in a child process (``probe``). Returns
+    ({name: (run, dict(info, err=...))}, {name: error}): a variant that fails is a result."""
+    import traceback
+
+    variants, errors = {}, {}
+    for name, spec in specs.items():
+        if probed(name, spec) and not probe(script, shape, name):
+            errors[name] = "build or first run failed in a subprocess (log above)"
+            continue
+        try:
+            run, info = runner(hidden, weight, targets, **spec)
+            out = run()
+            torch.cuda.synchronize()
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            if not err < 1e-5:
+                raise AssertionError(f"loss differs from the package's: {err:.1e}")
+            variants[name] = (run, dict(info, err=err))
+            print(f"  {shape} {name}: ok {info} err {err:.1e}", flush=True)
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"  {shape} {name}: FAILED {errors[name]}", flush=True)
+            traceback.print_exc(limit=2)
+    return variants, errors
+
+
+def interleaved(runs, rounds=3):
+    """{name: [do_bench ms of each round]} for ``runs`` ({name: callable}), the rounds interleaved
+    across the names (the H200 runs at its power cap: neighbours in time share its state)."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=5, rep=60))
+    return times
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
 
 
 def kernel_times(run, top=10, width=48):

@@ -25,7 +25,6 @@ Each product is checked against a float64 product. Rounds are interleaved; print
 writes experiment_flat.json under --out.
 """
 
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -37,10 +36,11 @@ import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from fused_linear_ce import configs, fused_linear_cross_entropy, products  # noqa: E402
+from fused_linear_ce import configs, products  # noqa: E402
 from fused_linear_ce.logits import grouped_tile  # noqa: E402
 
-from experiment_common import parse_args, write_results  # noqa: E402
+from experiment_common import (answer_probe, checked_variants, interleaved, median, package_eval,  # noqa: E402
+                               parse_args, write_results)
 from tune import problem  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
@@ -51,6 +51,17 @@ SWEEPS = {
     "mflat-s4": dict(flat=True, num_stages=4),
     "mflat-ws": dict(flat=True, ws=True),
 }
+
+
+@triton.jit
+def merge_tile(acc, vt, m, s, zt, target, V, BLOCK_V: tl.constexpr):
+    """One logit tile (vocabulary tile ``vt``) into the rows' running max, sum and target logit."""
+    offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    z = tl.where((offs_v < V)[None, :], acc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+    zt += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), axis=1)
+    return m_new, s, zt
 
 
 @triton.jit
@@ -79,12 +90,7 @@ def sweep_kernel(h_desc, w_desc, t_ptr, stats_ptr, N, V, H, n_tiles, tiles_per_p
             w = w_desc.load([vt * BLOCK_V, k * BLOCK_H])
             acc = tl.dot(x, w.T, acc)
             if k == k_tiles - 1:
-                offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V)
-                z = tl.where((offs_v < V)[None, :], acc, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, axis=1))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-                zt += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), axis=1)
-                m = m_new
+                m, s, zt = merge_tile(acc, vt, m, s, zt, target, V, BLOCK_V)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     else:
         for vt in range(t0, t1):
@@ -93,12 +99,7 @@ def sweep_kernel(h_desc, w_desc, t_ptr, stats_ptr, N, V, H, n_tiles, tiles_per_p
                 x = h_desc.load([row0, k * BLOCK_H])
                 w = w_desc.load([vt * BLOCK_V, k * BLOCK_H])
                 acc = tl.dot(x, w.T, acc)
-            offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V)
-            z = tl.where((offs_v < V)[None, :], acc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-            zt += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), axis=1)
-            m = m_new
+            m, s, zt = merge_tile(acc, vt, m, s, zt, target, V, BLOCK_V)
     base = stats_ptr + pid_s * N + offs_n
     mask = offs_n < N
     tl.store(base, m, mask=mask)
@@ -186,23 +187,8 @@ def product_runners(da, hidden, g, out):
     }
 
 
-def probe(shape, vname):
-    rc = subprocess.run([sys.executable, __file__, "--probe", shape, vname], timeout=300).returncode
-    print(f"  probe {vname}: rc {rc}", flush=True)
-    return rc == 0
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2]
-
-
 def main():
-    if sys.argv[1:2] == ["--probe"]:
-        shape, vname = sys.argv[2:4]
-        hidden, weight, targets = problem(*SHAPES[shape])
-        run, _ = sweep_runner(hidden, weight, targets, **SWEEPS[vname])
-        run()
-        torch.cuda.synchronize()
+    if answer_probe(SHAPES, SWEEPS, sweep_runner):
         return
     args = parse_args(["S1", "S3"])
     rows_out = []
@@ -210,34 +196,13 @@ def main():
         n, h, v = SHAPES[name]
         hidden, weight, targets = problem(n, h, v)
 
-        def package():
-            with torch.no_grad():
-                return fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
-
+        package = package_eval(hidden, weight, targets)
         ref = package()
         variants = {"package": (package, {}), "matmul": (lambda: hidden @ weight.T, {})}
-        errors = {}
-        for vname, spec in SWEEPS.items():
-            if spec.get("ws") and not probe(name, vname):
-                errors[vname] = "build or first run failed in a subprocess (log above)"
-                continue
-            try:
-                run, info = sweep_runner(hidden, weight, targets, **spec)
-                out = run()
-                torch.cuda.synchronize()
-                err = ((out - ref).abs().max() / ref.abs().max()).item()
-                if not err < 1e-5:
-                    raise AssertionError(f"loss differs from the package's: {err:.1e}")
-                variants[vname] = (run, dict(info, err=err))
-                print(f"  {name} {vname}: ok {info} err {err:.1e}", flush=True)
-            except Exception as e:
-                errors[vname] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"  {name} {vname}: FAILED {errors[vname]}", flush=True)
-                traceback.print_exc(limit=2)
-        times = {k: [] for k in variants}
-        for _ in range(3):
-            for k, (fn, _info) in variants.items():
-                times[k].append(triton.testing.do_bench(fn, warmup=5, rep=60))
+        checked, errors = checked_variants(__file__, name, SWEEPS, sweep_runner, hidden, weight, targets, ref,
+                                           lambda vname, spec: spec.get("ws", False))
+        variants.update(checked)
+        times = interleaved({k: fn for k, (fn, _info) in variants.items()})
         mm = median(times["matmul"])
         for k, (_fn, info) in variants.items():
             rows_out.append(dict(shape=name, name=f"sweep/{k}", ms=median(times[k]), matmul_ms=mm, rounds=times[k],
@@ -269,10 +234,7 @@ def main():
                     rows_out.append(dict(shape=name, name=f"dw{cols}/{k}", error=f"{type(e).__name__}: {str(e)[:300]}"))
                     traceback.print_exc(limit=2)
             del exact
-            times = {k: [] for k in ok}
-            for _ in range(3):
-                for k, (fn, _e) in ok.items():
-                    times[k].append(triton.testing.do_bench(fn, warmup=5, rep=60))
+            times = interleaved({k: fn for k, (fn, _err) in ok.items()})
             ref_ms = median(times["cublas"]) if "cublas" in times else float("nan")
             for k, (_fn, err) in ok.items():
                 rows_out.append(dict(shape=name, name=f"dw{cols}/{k}", ms=median(times[k]), matmul_ms=ref_ms,

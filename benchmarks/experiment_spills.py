@@ -24,7 +24,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from experiment_common import MiB, kernel_times, measure, problems, write_results  # noqa: E402
+from experiment_common import MiB, kernel_times, measured_row, problems, write_results  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
 SETTINGS = {"256M": dict(strategy="recompute", chunk_bytes=256 * MiB),
@@ -58,12 +58,8 @@ def main():
                     def fn(hd, wd, kwargs=kwargs, loss_fn=loss_fn):
                         return loss_fn(hd, wd, targets, **kwargs)
 
-                    name = f"{setting}-{tag}"
-                    try:
-                        rows.append(dict(shape=shape, name=name, round=rnd, matmul_ms=mm,
-                                         **measure(step, fn, ref, grads_bytes)))
-                    except Exception as exc:
-                        rows.append(dict(shape=shape, name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                    rows.append(measured_row(step, fn, ref, grads_bytes, shape=shape, name=f"{setting}-{tag}",
+                                             round=rnd, matmul_ms=mm))
                     print(rows[-1], flush=True)
         if shape == "S1":
             for tag, loss_fn in builds.items():

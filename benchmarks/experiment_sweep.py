@@ -23,9 +23,7 @@ interleaved across variants (the H200 runs at its power cap; see NOTES). Prints 
 writes experiment_sweep.json under --out.
 """
 
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -34,9 +32,9 @@ import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from fused_linear_ce import fused_linear_cross_entropy  # noqa: E402
 
-from experiment_common import parse_args, write_results  # noqa: E402
+from experiment_common import (answer_probe, checked_variants, interleaved, median, package_eval,  # noqa: E402
+                               parse_args, write_results)
 from tune import problem  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936),
@@ -183,20 +181,8 @@ def cublas_runner(hidden, weight, targets, rows=1024):
     return run, dict(rows=rows)
 
 
-def probe(shape, vname):
-    """Builds and runs one variant in a child process; True when it exits cleanly."""
-    rc = subprocess.run([sys.executable, __file__, "--probe", shape, vname], timeout=300).returncode
-    print(f"  probe {vname}: rc {rc}", flush=True)
-    return rc == 0
-
-
 def main():
-    if sys.argv[1:2] == ["--probe"]:
-        shape, vname = sys.argv[2:4]
-        hidden, weight, targets = problem(*SHAPES[shape])
-        run, _ = sweep_runner(hidden, weight, targets, **SPECS[vname])
-        run()
-        torch.cuda.synchronize()
+    if answer_probe(SHAPES, SPECS, sweep_runner):
         return
     args = parse_args(["S1", "S3"])
     rows_out = []
@@ -204,10 +190,7 @@ def main():
         n, h, v = SHAPES[name]
         hidden, weight, targets = problem(n, h, v)
 
-        def package():
-            with torch.no_grad():
-                return fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
-
+        package = package_eval(hidden, weight, targets)
         ref = package()
         sub = torch.arange(0, n, max(1, n // 256), device=hidden.device)
         z64 = hidden[sub].double() @ weight.double().T
@@ -217,39 +200,21 @@ def main():
         del z64
 
         variants = {"package": (package, {}), "matmul": (lambda: hidden @ weight.T, {})}
-        specs = SPECS
-        results = {}
-        for vname, spec in specs.items():
-            if "ws" in vname and not probe(name, vname):  # a compiler abort must not end the run
-                results[vname] = dict(error="build or first run failed in a subprocess (log above)")
-                continue
-            try:
-                run, info = sweep_runner(hidden, weight, targets, **spec)
-                out = run()
-                torch.cuda.synchronize()
-                err = ((out - ref).abs().max() / ref.abs().max()).item()
-                if not err < 1e-5:
-                    raise AssertionError(f"lse differs from the package's: {err:.1e}")
-                variants[vname] = (run, info)
-                results[vname] = dict(err=err, **info)
-                print(f"  {vname}: ok {info} err {err:.1e}", flush=True)
-            except Exception as e:  # report and go on: one variant failing to build is a result
-                results[vname] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-                print(f"  {vname}: FAILED {results[vname]['error']}", flush=True)
-                traceback.print_exc(limit=2)
+        checked, errors = checked_variants(__file__, name, SPECS, sweep_runner, hidden, weight, targets, ref,
+                                           lambda vname, spec: "ws" in vname)  # a compiler abort must not end the run
+        variants.update(checked)
+        results = {k: info for k, (_run, info) in checked.items()}
+        results.update({k: dict(error=e) for k, e in errors.items()})
         run, info = cublas_runner(hidden, weight, targets)
         out = run()
         err = ((out - ref).abs().max() / ref.abs().max()).item()
         variants["cublas-fp32"] = (run, info)
         results["cublas-fp32"] = dict(err=err, **info)
 
-        times = {k: [] for k in variants}
-        for _ in range(3):  # interleaved rounds
-            for k, (fn, _info) in variants.items():
-                times[k].append(triton.testing.do_bench(fn, warmup=5, rep=60))
-        mm = sorted(times["matmul"])[1]
+        times = interleaved({k: fn for k, (fn, _info) in variants.items()})
+        mm = median(times["matmul"])
         for k in variants:
-            ms = sorted(times[k])[1]
+            ms = median(times[k])
             row = dict(shape=name, name=k, ms=ms, matmul_ms=mm, rounds=times[k], **results.get(k, {}))
             rows_out.append(row)
         for k, r in results.items():

@@ -21,7 +21,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
 
-from experiment_common import MiB, measure, parse_args, problems, write_results  # noqa: E402
+from experiment_common import MiB, measured_row, parse_args, problems, write_results  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936),
           "fp32": (2048, 1024, 32000)}
@@ -63,12 +63,8 @@ def main():
                     def fn(hd, wd, kwargs=kwargs):
                         return fused_linear_cross_entropy(hd, wd, targets, **kwargs)
 
-                    name = f"{setting}-{tag}"
-                    try:
-                        rows.append(dict(shape=shape, name=name, round=rnd, matmul_ms=mm,
-                                         **measure(step, fn, ref, grads_bytes)))
-                    except Exception as exc:
-                        rows.append(dict(shape=shape, name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                    rows.append(measured_row(step, fn, ref, grads_bytes, shape=shape, name=f"{setting}-{tag}",
+                                             round=rnd, matmul_ms=mm))
                     print(rows[-1], flush=True)
         set_tma(True)
         torch.cuda.empty_cache()
