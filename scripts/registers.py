@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Compiles the package's hot kernels for an H100/H200 (sm_90) without a GPU and reports, per shipped
+configuration, registers per thread, stack bytes (register spills) and shared memory.
+
+Triton compiles for any target offline (``triton.compile`` of an ``ASTSource``; its wheel carries
+ptxas and cuobjdump), so register pressure can be read on a machine without a GPU. NOTES v12: the
+sweep spilled 96 bytes, the dlogits kernel 304 and the chunked sweep 1616 before their epilogues
+were slimmed; ``tests/test_registers.py`` keeps them at (nearly) none.
+
+Usage:
+    python3 scripts/registers.py            # a table
+    python3 scripts/registers.py --json     # one JSON list on stdout
+
+Runs the compiler, not the interpreter: TRITON_INTERPRET must be unset (this script refuses otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "torch-ext"))
+
+# Non-constexpr arguments by name: fp32 / int pointers; every other pointer is the input dtype (bf16).
+_FP32_PTRS = {"stats_ptr", "lse_ptr", "coef_ptr", "class_weight_ptr", "dbias_ptr", "scale_ptr", "tile_max_ptr",
+              "z_target_ptr"}
+_INT_PTRS = {"targets_ptr": "*i64", "argmax_ptr": "*i32"}
+_FLOATS = {"logit_scale", "softcap"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kernel: str  # attribute of fused_linear_ce.<module>
+    module: str
+    constexprs: dict
+    descriptors: dict  # argument name -> block shape
+    num_warps: int
+    num_stages: int
+    c_dtype: str = "*bf16"  # matmul_kernel's c_ptr
+
+
+def cases() -> list[Case]:
+    from fused_linear_ce import configs
+
+    sweep, chunked, mm = configs._GPU_SWEEP, configs._GPU_CHUNKED_SWEEP, configs._GPU_MATMUL
+    logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
+                 INPUT_PRECISION="tf32", TMA=True)
+    forward = dict(logit, METRICS=False, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
+                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, EMULATE_ROUNDING=False, GROUP_M=0)
+    descs = dict(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
+    chunk_descs = dict(hidden_desc=(chunked.block_n, chunked.block_h), weight_desc=(chunked.block_v, chunked.block_h),
+                       e_desc=(chunked.block_n, chunked.block_v))
+    matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
+                  GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
+                  INPUT_PRECISION="tf32", TMA=True, B_T=False)
+    return [
+        Case("sweep", "lse_sweep_kernel", "forward_kernels", forward, descs, sweep.num_warps, sweep.num_stages),
+        Case("sweep, ragged V", "lse_sweep_kernel", "forward_kernels", dict(forward, EVEN_V=False), descs,
+             sweep.num_warps, sweep.num_stages),
+        Case("sweep, metrics", "lse_sweep_kernel", "forward_kernels", dict(forward, METRICS=True), descs,
+             sweep.num_warps, sweep.num_stages),
+        Case("sweep, metrics, ragged V", "lse_sweep_kernel", "forward_kernels",
+             dict(forward, METRICS=True, EVEN_V=False), descs, sweep.num_warps, sweep.num_stages),
+        Case("chunked sweep", "lse_sweep_kernel", "forward_kernels",
+             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, EVEN_V=False, STORE_E=True, E_TMA=True,
+                  GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps, chunked.num_stages),
+        Case("dlogits", "dlogits_kernel", "backward_kernels",
+             dict(logit, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BIAS_GRAD=False, BLOCK_N=sweep.block_n,
+                  BLOCK_V=sweep.block_v, GROUP_M=sweep.group_m), descs, sweep.num_warps, sweep.num_stages),
+        Case("dlogits, bias gradient", "dlogits_kernel", "backward_kernels",
+             dict(logit, HAS_BIAS=True, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BIAS_GRAD=True,
+                  BLOCK_N=sweep.block_n, BLOCK_V=sweep.block_v, GROUP_M=sweep.group_m), descs,
+             sweep.num_warps, sweep.num_stages),
+        Case("matmul, da^T", "matmul_kernel", "backward_kernels", dict(matmul, A_T=True),
+             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
+        Case("matmul", "matmul_kernel", "backward_kernels", dict(matmul, A_T=False),
+             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
+    ]
+
+
+def _signature(fn, case: Case) -> dict:
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in case.constexprs:
+            sig[arg] = "constexpr"
+        elif arg in case.descriptors:
+            rows, cols = case.descriptors[arg]
+            sig[arg] = f"tensordesc<bf16[{rows}, {cols}]>"
+        elif arg.endswith("_desc"):  # a descriptor argument this configuration leaves unused
+            sig[arg] = "*bf16"
+        elif arg == "c_ptr":
+            sig[arg] = case.c_dtype
+        elif arg in _FP32_PTRS:
+            sig[arg] = "*fp32"
+        elif arg in _INT_PTRS:
+            sig[arg] = _INT_PTRS[arg]
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*bf16"
+        elif arg in _FLOATS:
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    return sig
+
+
+def compile_case(case: Case, workdir: Path) -> dict:
+    """{name, registers, stack, shared} of ``case`` compiled for sm_90."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fused_linear_ce import configs
+
+    fn = getattr(importlib.import_module(f"fused_linear_ce.{case.module}"), case.kernel)
+    src = ASTSource(fn=fn, signature=_signature(fn, case),
+                    constexprs={(fn.arg_names.index(k),): v for k, v in case.constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                              options=dict(num_warps=case.num_warps, num_stages=case.num_stages,
+                                           enable_fp_fusion=configs.fp_fusion(None)))
+    cubin = workdir / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    fields = dict(item.split(":") for item in line.split() if ":" in item)
+    return dict(name=case.name, registers=int(fields["REG"]), stack=int(fields["STACK"]),
+                shared=int(compiled.metadata.shared))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("registers.py compiles for sm_90: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [compile_case(case, Path(tmp)) for case in cases()]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(f"{'kernel (sm_90)':28s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}")
+        for r in rows:
+            print(f"{r['name']:28s} {r['registers']:9d} {r['stack']:8d} {r['shared'] / 1024:9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
