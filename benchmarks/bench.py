@@ -12,6 +12,11 @@ relative (Frobenius) errors against an fp32-logit reference (``reference.chunked
 (``pct_matmul``, i.e. 3 matmuls / fwdbwd) and of 989 TFLOP/s (``pct_peak``). The ``matmul`` row is one
 cuBLAS ``hidden @ weight.T`` (fwd_ms) and the three matmuls of a forward+backward (fwdbwd_ms): the floor.
 
+With ``--rounds R`` (R > 1) every method of a (shape, dist) is timed again R - 1 times after the
+first pass, the methods interleaved in each round, and its times are the medians over the rounds
+(each round's value kept in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``): on the H200 back-to-back steps
+run at the power cap, and one pass's median of a setting moved by 3-6 ms between runs (NOTES v12).
+
 Peers are optional imports used as black boxes through their public APIs: a missing one is a printed
 note, a failing or out-of-memory one a row with ``error``. Writes ``<gpu>.json`` (e.g. h200.json) under
 --out after every (shape, dist), so a timeout still leaves results; ``plot.py`` turns it into PNGs and a
@@ -233,7 +238,8 @@ def _event_ms(fn):
 
 
 def measure_matmul(hidden, weight, quick):
-    """One matmul (fwd_ms) and the three of a forward+backward (fwdbwd_ms), cuBLAS, bf16."""
+    """One matmul (fwd_ms) and the three of a forward+backward (fwdbwd_ms), cuBLAS, bf16; and the
+    timers (``retime``)."""
     dev = hidden.device
     clock = _event_ms if dev.type == "cuda" else _wall_ms
     one = lambda: hidden @ weight.T  # noqa: E731
@@ -247,11 +253,14 @@ def measure_matmul(hidden, weight, quick):
         g.T @ hidden
 
     three()
-    return dict(fwd_ms=fwd, fwdbwd_ms=bench(three, clock(three), dev, quick))
+    est = clock(three)
+    timers = dict(fwd_ms=(one, clock(one), ()), fwdbwd_ms=(three, est, ()))
+    return dict(fwd_ms=fwd, fwdbwd_ms=bench(three, est, dev, quick)), timers
 
 
 def measure(fn, hidden, weight, targets, ref, quick):
-    """One method's row: memory and errors from one forward+backward after a warm-up, then times."""
+    """One method's row: memory and errors from one forward+backward after a warm-up, then times; and
+    the timers (``retime``)."""
     dev = hidden.device
     cuda = dev.type == "cuda"
     clock = _event_ms if cuda else _wall_ms
@@ -279,12 +288,39 @@ def measure(fn, hidden, weight, targets, ref, quick):
     out["loss_rel"] = abs(holder.pop("loss").item() - ref_loss) / abs(ref_loss)
     out["dx_rel"], out["dw_rel"] = rel(h.grad, ref_dx), rel(w.grad, ref_dw)
     h.grad = w.grad = None
-    with torch.no_grad():
-        fwd = lambda: fn(hidden, weight, targets)  # noqa: E731
-        fwd()  # warm-up of the no-grad path (a second graph for torch.compile)
-        out["fwd_ms"] = bench(fwd, clock(fwd), dev, quick)
+    def fwd():
+        with torch.no_grad():
+            return fn(hidden, weight, targets)
+
+    fwd()  # warm-up of the no-grad path (a second graph for torch.compile)
+    fwd_est = clock(fwd)
+    out["fwd_ms"] = bench(fwd, fwd_est, dev, quick)
     out["fwdbwd_ms"] = bench(fwdbwd, est, dev, quick, grad_to_none=(h, w))
-    return out
+    h.grad = w.grad = None
+    return out, dict(fwd_ms=(fwd, fwd_est, ()), fwdbwd_ms=(fwdbwd, est, (h, w)))
+
+
+def retime(row, timers, device, quick):
+    """One more round of ``row``'s times: appends to ``<key>_rounds`` for fwd_ms and fwdbwd_ms."""
+    for key, (fn, est, leaves) in timers.items():
+        rounds = row.setdefault(f"{key}_rounds", [row[key]])
+        rounds.append(bench(fn, est, device, quick, grad_to_none=leaves))
+        for x in leaves:
+            x.grad = None
+
+
+def derive(row, rows, flop, stats):
+    """``row``'s TFLOP/s and its shares of the peak and of the matmul row's rate (the matmul row of
+    the same shape and dist, measured first)."""
+    if not row["fwdbwd_ms"]:
+        return
+    row["tflops"] = flop / row["fwdbwd_ms"] / 1e9
+    row["pct_peak"] = row["tflops"] / PEAK_TFLOPS
+    mm = next((r for r in rows if r["method"] == "matmul" and r["shape"] == row["shape"] and r["dist"] == row["dist"]
+               and r["fwd_ms"]), None)
+    if mm is not None:
+        stats["matmul_tflops"] = flop / 3 / mm["fwd_ms"] / 1e9
+        row["pct_matmul"] = row["tflops"] / stats["matmul_tflops"]
 
 
 def free_memory(device):
@@ -343,6 +379,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer timing reps")
     ap.add_argument("--no-skip", action="store_true", help="also run the slow combinations skipped by default")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="timing rounds, methods interleaved; times are "
+                    "the medians over them (default %(default)s)")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -401,7 +439,7 @@ def main(argv=None):
             ref_loss, ref_dx, ref_dw, stats = reference_and_stats(hidden, weight, targets, args.ref_precision)
             meta["data"][f"{shape}/{dist}"] = stats
             print(f"[{time.perf_counter() - t0:6.0f}s] {tag} N={n} H={h} V={v} " + " ".join(f"{k}={x:.3g}" for k, x in stats.items()), flush=True)
-            mm_tflops = None
+            timed = []  # (row, timers) of this (shape, dist), for the extra rounds
             for method, fn in methods.items():
                 if (shape, method) in SKIP and not args.no_skip:
                     meta["skipped"].append(f"{shape}/{dist}/{method}: {SKIP[(shape, method)]}")
@@ -417,22 +455,34 @@ def main(argv=None):
                     if method == "torch" and device.type == "cuda" and 12 * n * v > torch.cuda.mem_get_info()[0]:
                         raise torch.OutOfMemoryError(f"skipped: its logits need ~{12 * n * v / 2**30:.0f} GiB")
                     if fn is None:
-                        row.update(measure_matmul(hidden, weight, args.quick))
+                        figures, timers = measure_matmul(hidden, weight, args.quick)
                     else:
-                        row.update(measure(fn, hidden, weight, targets, (ref_loss, ref_dx, ref_dw), args.quick))
+                        figures, timers = measure(fn, hidden, weight, targets, (ref_loss, ref_dx, ref_dw), args.quick)
+                    row.update(figures)
+                    if args.rounds > 1:
+                        timed.append((row, timers))
                 except Exception as e:  # noqa: BLE001 - an OOM or a failing peer is a row, not a crash
                     row["error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
                 free_memory(device)
-                if row["fwdbwd_ms"]:
-                    row["tflops"] = flop / row["fwdbwd_ms"] / 1e9
-                    row["pct_peak"] = row["tflops"] / PEAK_TFLOPS
-                    if method == "matmul":
-                        mm_tflops = flop / 3 / row["fwd_ms"] / 1e9
-                        stats["matmul_tflops"] = mm_tflops
-                    if mm_tflops:
-                        row["pct_matmul"] = row["tflops"] / mm_tflops
                 rows.append(row)
-                progress(t0, tag, row)
+                if args.rounds == 1:
+                    derive(row, rows, flop, stats)
+                    progress(t0, tag, row)
+            for r in range(1, args.rounds):
+                for row, timers in timed:
+                    try:
+                        retime(row, timers, device, args.quick)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"round {r}: {type(e).__name__}: {str(e).strip()[:300]}"
+                print(f"[{time.perf_counter() - t0:6.0f}s] {tag} round {r + 1} of {args.rounds}", flush=True)
+            if args.rounds > 1:
+                for row in (rw for rw in rows if rw["shape"] == shape and rw["dist"] == dist):
+                    for key in ("fwd_ms", "fwdbwd_ms"):
+                        if row.get(f"{key}_rounds"):
+                            row[key] = statistics.median(row[f"{key}_rounds"])
+                    derive(row, rows, flop, stats)
+                    progress(t0, tag, row)
+            del timed
             del hidden, weight, targets, ref_dx, ref_dw
             free_memory(device)
             write()

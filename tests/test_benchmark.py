@@ -69,3 +69,19 @@ def test_bench_tiny_and_plot(tmp_path):
     for suffix in ("_frontier.png", "_memory.png"):
         png = path.with_name(path.stem + suffix)
         assert png.exists() and png.stat().st_size > 1000, png
+
+
+def test_bench_rounds_report_the_median_of_interleaved_rounds(tmp_path):
+    """--rounds 3: each method's times are the medians of its three rounds (kept per row)."""
+    _run(["benchmarks/bench.py", "--tiny", "--quick", "--dists", "random", "--methods", "matmul,flce,torch",
+          "--settings", "chunked:whole", "--rounds", "3", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"matmul", "flce", "torch"}
+    for row in rows:
+        assert not row["error"], row["error"]
+        for key in ("fwd_ms", "fwdbwd_ms"):
+            rounds = row[f"{key}_rounds"]
+            assert len(rounds) == 3 and all(t > 0 for t in rounds)
+            assert row[key] == sorted(rounds)[1]
+        assert row["tflops"] > 0 and row["pct_matmul"] > 0
