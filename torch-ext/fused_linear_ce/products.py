@@ -55,24 +55,27 @@ def full_precision_reductions():
         flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
-    """(a TMA descriptor over ``t``'s storage, whether it is over ``t``'s transpose), or None when
-    neither ``t`` nor ``t.T`` has a layout TMA takes (``configs.tma_layout``)."""
+def _transposed(t: torch.Tensor):
+    """False when ``t``'s storage has a layout TMA takes (``configs.tma_layout``), True when its
+    transpose's has, None when neither."""
     if configs.tma_layout(t):
-        return TensorDescriptor.from_tensor(t, [block_rows, block_cols]), False
-    if configs.tma_layout(t.t()):
+        return False
+    return True if configs.tma_layout(t.t()) else None
+
+
+def _takes_tma(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig) -> bool:
+    """Whether ``matmul`` loads a and b through TMA descriptors: the config, the GPU and both
+    layouts allow it."""
+    return (cfg.tma and a.shape[1] > 0 and configs.tma_hardware(a.device)
+            and _transposed(a) is not None and _transposed(b) is not None)
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """(a TMA descriptor over ``t``'s storage, whether it is over ``t``'s transpose); ``t`` has a
+    layout ``_transposed`` accepts."""
+    if _transposed(t):
         return TensorDescriptor.from_tensor(t.t(), [block_cols, block_rows]), True
-    return None
-
-
-def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig):
-    """((a's descriptor, transposed), (b's descriptor, transposed)) when ``matmul`` loads through
-    TMA: the config, the GPU and both layouts allow it; else None."""
-    if not (cfg.tma and a.shape[1] > 0 and configs.tma_hardware(a.device)):
-        return None
-    a_tma = _descriptor(a, cfg.block_m, cfg.block_k)
-    b_tma = _descriptor(b, cfg.block_k, cfg.block_p)
-    return (a_tma, b_tma) if a_tma is not None and b_tma is not None else None
+    return TensorDescriptor.from_tensor(t, [block_rows, block_cols]), False
 
 
 def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -92,8 +95,7 @@ def rounds_once(a: torch.Tensor, b: torch.Tensor) -> bool:
     once rather than twice (cuBLAS, then ``scale``): fp16 and fp32 always go to the matmul (the
     factor in its epilogue); bf16 where the matmul loads through TMA, as fast as cuBLAS there (NOTES
     v12), or where its output has ``few_tiles`` (cuBLAS with an fp32 result, then one rounding)."""
-    return (a.dtype != torch.bfloat16 or few_tiles(a, b)
-            or _tma_operands(a, b, configs.matmul_config(a.dtype)) is not None)
+    return a.dtype != torch.bfloat16 or few_tiles(a, b) or _takes_tma(a, b, configs.matmul_config(a.dtype))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
@@ -105,9 +107,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     if m == 0 or p == 0:
         return
     cfg = configs.matmul_config(a.dtype)
-    descriptors = _tma_operands(a, b, cfg)
-    tma = descriptors is not None
-    (a_desc, a_t), (b_desc, b_t) = descriptors if tma else ((a, False), (b, False))
+    tma = _takes_tma(a, b, cfg)
+    if tma:
+        a_desc, a_t = _descriptor(a, cfg.block_m, cfg.block_k)
+        b_desc, b_t = _descriptor(b, cfg.block_k, cfg.block_p)
+    else:
+        (a_desc, a_t), (b_desc, b_t) = (a, False), (b, False)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
         a, b, c, unscale if unscale is not None else c, a_desc, b_desc, m, p, k,
