@@ -61,7 +61,7 @@ def main():
         for name, (fn, kind) in variants.items():
             configs.plan_passes = forced(kind) if kind in ("two-pass", "borrowed") else PLANNER
             if kind != "peer":
-                cfg = configs.sweep_config(torch.bfloat16)
+                cfg = configs.dlogits_config(torch.bfloat16)
                 plan = configs.plan_passes(n, v, h, torch.bfloat16, int(name.split("M")[0]) * MiB, cfg.block_n,
                                            cfg.block_v, True, True)
                 key = tuple(plan)

@@ -160,13 +160,14 @@ def checked_variants(script, shape, specs, runner, hidden, weight, targets, ref,
     return variants, errors
 
 
-def interleaved(runs, rounds=3):
+def interleaved(runs, rounds=3, rep=60):
     """{name: [do_bench ms of each round]} for ``runs`` ({name: callable}), the rounds interleaved
-    across the names (the H200 runs at its power cap: neighbours in time share its state)."""
+    across the names (the H200 runs at its power cap: neighbours in time share its state); ``rep``:
+    do_bench's time budget (ms) per round and name."""
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, fn in runs.items():
-            times[name].append(triton.testing.do_bench(fn, warmup=5, rep=60))
+            times[name].append(triton.testing.do_bench(fn, warmup=5, rep=rep))
     return times
 
 

@@ -50,11 +50,15 @@ def cases() -> list[Case]:
     from fused_linear_ce import configs
 
     sweep, chunked, mm = configs._GPU_SWEEP, configs._GPU_CHUNKED_SWEEP, configs._GPU_MATMUL
+    dlogits = configs._GPU_DLOGITS
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=True)
     forward = dict(logit, METRICS=False, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
                    BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, EMULATE_ROUNDING=False, GROUP_M=0)
     descs = dict(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
+    backward = dict(logit, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
+                    BLOCK_H=dlogits.block_h, GROUP_M=dlogits.group_m)
+    dlogits_descs = dict(hidden_desc=(dlogits.block_n, dlogits.block_h), weight_desc=(dlogits.block_v, dlogits.block_h))
     chunk_descs = dict(hidden_desc=(chunked.block_n, chunked.block_h), weight_desc=(chunked.block_v, chunked.block_h),
                        e_desc=(chunked.block_n, chunked.block_v))
     matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
@@ -69,15 +73,13 @@ def cases() -> list[Case]:
         Case("sweep, metrics, ragged V", "lse_sweep_kernel", "forward_kernels",
              dict(forward, METRICS=True, EVEN_V=False), descs, sweep.num_warps, sweep.num_stages),
         Case("chunked sweep", "lse_sweep_kernel", "forward_kernels",
-             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, EVEN_V=False, STORE_E=True, E_TMA=True,
+             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
+                  STORE_E=True, E_TMA=True,
                   GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps, chunked.num_stages),
-        Case("dlogits", "dlogits_kernel", "backward_kernels",
-             dict(logit, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BIAS_GRAD=False, BLOCK_N=sweep.block_n,
-                  BLOCK_V=sweep.block_v, GROUP_M=sweep.group_m), descs, sweep.num_warps, sweep.num_stages),
+        Case("dlogits", "dlogits_kernel", "backward_kernels", dict(backward, HAS_BIAS=False, BIAS_GRAD=False),
+             dlogits_descs, dlogits.num_warps, dlogits.num_stages),
         Case("dlogits, bias gradient", "dlogits_kernel", "backward_kernels",
-             dict(logit, HAS_BIAS=True, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BIAS_GRAD=True,
-                  BLOCK_N=sweep.block_n, BLOCK_V=sweep.block_v, GROUP_M=sweep.group_m), descs,
-             sweep.num_warps, sweep.num_stages),
+             dict(backward, HAS_BIAS=True, BIAS_GRAD=True), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
         Case("matmul, da^T", "matmul_kernel", "backward_kernels", dict(matmul, A_T=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
         Case("matmul", "matmul_kernel", "backward_kernels", dict(matmul, A_T=False),

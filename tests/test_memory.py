@@ -87,8 +87,8 @@ def _bound(chunk_bytes, strategy) -> int:
         if rows < N:
             forward += 4 * V * H
         return gradients + max(forward, 2 * gradients) + 32 * 8 * N + ALLOCATOR_SLACK + CUBLAS_SLACK
-    cfg = configs.sweep_config(DTYPE)
-    passes = configs.plan_passes(N, V, H, DTYPE, chunk_bytes, cfg.block_n, cfg.block_v, True, True)
+    cfg, tiles = configs.sweep_config(DTYPE), configs.dlogits_config(DTYPE)
+    passes = configs.plan_passes(N, V, H, DTYPE, chunk_bytes, tiles.block_n, tiles.block_v, True, True)
     splits = configs.vocab_splits(triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v), torch.device("cuda"))
     per_row = 4 * N * NUM_STATS * splits + 32 * 8 * N
     mm = configs.matmul_config(DTYPE)

@@ -58,9 +58,16 @@ _GPU_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=8, num_war
 _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3, resident=2,
                              tma=False)
 # The chunked path's sweep, one tile a program in a 1-D grid grouped by group_m row blocks (a wave
-# shares fewer rows and weight tiles): 256 x 128 tiles, groups of 16 (H200, S1: 42.0-43.4 ms
-# fwd+bwd against 47.3 with 128 x 256 tiles in the 2-D grid; benchmarks/NOTES.md).
-_GPU_CHUNKED_SWEEP = TileConfig(block_n=256, block_v=128, block_h=64, group_m=16, num_warps=8, num_stages=3)
+# shares fewer rows and weight tiles): 128 x 128 tiles with one warpgroup, 3 stages (128 KB of shared
+# memory with the descriptor store's buffer: one program per SM), groups of 16. H200, bf16, chunked
+# path in one chunk, interleaved medians: S1 42.4 ms fwd+bwd against 44.4 for 256 x 128 tiles with
+# 8 warps, S2 50.5 against 51.3, S3 52.0 against 54.0 (NOTES v13; 256 x 128 had beaten 128 x 256 in
+# the 2-D grid, v3).
+_GPU_CHUNKED_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=4, num_stages=3)
+# The recompute backward's dlogits kernel (one tile a program; its tiles also cut the backward plan):
+# the sweep's. 128 x 128 tiles with 4 warps (two programs per SM), 4 stages, 128-wide H steps were all
+# slower (H200, S1-S3 at 64 MiB: +0.5 to +3.7 ms fwd+bwd; NOTES v13).
+_GPU_DLOGITS = _GPU_SWEEP
 # The Triton matmul (products with a factor in the epilogue): TMA loads reach cuBLAS's rate where
 # pointer loads took 1.23x (H200, S1 grad_weight blocks, M=4096 K=8192 P=4096: 0.38 ms against 0.47,
 # cuBLAS 0.38; NOTES v12). fp32 keeps pointer loads, as the fp32 sweep.
@@ -85,6 +92,14 @@ def sweep_config(dtype: torch.dtype, *, chunked: bool = False) -> TileConfig:
     if dtype == torch.float32:
         return _GPU_SWEEP_FP32
     return _GPU_CHUNKED_SWEEP if chunked else _GPU_SWEEP
+
+
+def dlogits_config(dtype: torch.dtype) -> TileConfig:
+    """The recompute backward's tiles: its dlogits kernel's, and the granularity of its plan's blocks
+    (``plan_passes``) and bias partial sums."""
+    if interpreted():
+        return _CPU_SWEEP
+    return _GPU_SWEEP_FP32 if dtype == torch.float32 else _GPU_DLOGITS
 
 
 @functools.lru_cache(maxsize=None)

@@ -216,7 +216,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
-    cfg = configs.sweep_config(dtype)
+    cfg = configs.dlogits_config(dtype)
     passes = configs.plan_passes(n, v, h, dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
                                  need_dw)
     dx_pass = next(p for p in passes if p.rows_grads) if need_dx or need_db else None
