@@ -49,6 +49,8 @@ def table(data):
                    f"reference loss {s['ref_loss']:.3f}{mm}")
     for s in meta.get("skipped", []):
         out.append(f"- skipped {s}")
+    for note in meta.get("notes", []):
+        out.append(f"- {note}")
     out += ["", "| shape | dist | method | fwd ms | fwd+bwd ms | extra MiB | dX err | dW err | TFLOP/s (% of 3 matmuls) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
