@@ -2,11 +2,12 @@
 
 Public surface: ``fused_linear_cross_entropy``; ``ForCausalLMLoss`` (transformers' loss-function
 signature, fused when given hidden states and the lm-head weight); ``layers`` (kernelize layers); the
-plain-torch ``reference``; ``configs`` (block sizes and the backward plan).
+plain-torch ``reference``; ``configs`` (block sizes and the backward plan); ``autotune`` (opt-in
+tuning of the tiles for the exact shape).
 """
 
-from . import configs, layers, reference
+from . import autotune, configs, layers, reference
 from .api import fused_linear_cross_entropy
 from .layers import for_causal_lm_loss as ForCausalLMLoss
 
-__all__ = ["ForCausalLMLoss", "configs", "fused_linear_cross_entropy", "layers", "reference"]
+__all__ = ["ForCausalLMLoss", "autotune", "configs", "fused_linear_cross_entropy", "layers", "reference"]

@@ -68,10 +68,11 @@ def lse_sweep_kernel(
     """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
 
     Grid (cdiv(N, BLOCK_N), SPLIT), or with GROUP_M > 0 a 1-D grid over the same programs in groups
-    of GROUP_M row blocks (``grouped_tile``: a wave shares fewer rows and weight tiles). Per row it carries the running max m, the rescaled sum of
-    exp(z - m), the target logit (from the one tile that holds the target), with METRICS
-    the rescaled sum of exp(z - m) * z and the running argmax, and with SMOOTHING the sum of
-    w[v] * z (label smoothing's mean logit, class-weighted when HAS_CLASS_WEIGHT). fp32, no atomics.
+    of GROUP_M row blocks (``grouped_tile``: a wave shares fewer rows and weight tiles). Per row it
+    carries the running max m, the rescaled sum of exp(z - m), the target logit (from the one tile
+    that holds the target), with METRICS the rescaled sum of exp(z - m) * z and the running argmax,
+    and with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
+    HAS_CLASS_WEIGHT). fp32, no atomics.
     """
     if GROUP_M > 0:
         pid_n, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_M)

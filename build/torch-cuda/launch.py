@@ -8,7 +8,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import configs, parallel, products
+from . import autotune, configs, parallel, products
 from .backward_kernels import dlogits_kernel
 from .forward_kernels import NUM_STATS, combine_kernel, lse_sweep_kernel
 from .validate import Options
@@ -84,12 +84,13 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
     return sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
 
 
-def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None):
+def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None, cfg=None):
     """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
-    exp(z - m_tile) there (the chunked path); plane 0 of the per-split statistics, (T, N), is then
-    each tile's row max."""
+    exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
+    per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
+    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``)."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
@@ -106,7 +107,10 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     if n == 0:
         return stats_out, None
 
-    cfg = configs.sweep_config(hidden.dtype, chunked=e_out is not None)
+    if cfg is None:
+        cfg = (configs.sweep_config(hidden.dtype, chunked=True, h=h) if e_out is not None else autotune.tiles(
+            "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
+            shard=shard))
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
@@ -197,7 +201,7 @@ def _borrowed_order(v: int, cols: int, first_borrowed_row: int):
 
 
 def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, need_dx, need_dw, need_db,
-             shard=None, common=None):
+             shard=None, common=None, cfg=None):
     """Recompute backward over blocks of the (N, V) plane, in one or two passes
     (``configs.plan_passes``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
@@ -212,11 +216,16 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     power-of-two lift out of the subnormals, undone there. With a vocabulary ``shard`` the partial
     grad_hidden is summed over its group in fp32 (every rank gets the full grad_hidden); grad_weight
     and grad_bias are the shard's own.
+    ``cfg``: the dlogits kernel's tiles, else the table's or, with autotuning on, the fastest for
+    this shape (``autotune.tiles``).
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
-    cfg = configs.dlogits_config(dtype)
+    if cfg is None:
+        cfg = autotune.tiles("dlogits", hidden, v, lambda c: backward(
+            hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db, shard, common,
+            cfg=c), opts.chunk_bytes, shard)
     passes = configs.plan_passes(n, v, h, dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
                                  need_dw)
     dx_pass = next(p for p in passes if p.rows_grads) if need_dx or need_db else None

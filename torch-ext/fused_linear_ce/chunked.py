@@ -26,7 +26,7 @@ the rounding of da.
 import torch
 import triton
 
-from . import configs, launch, losses, parallel, products
+from . import autotune, configs, launch, losses, parallel, products
 from .gradient_kernels import softmax_gradient_kernel
 from .launch import RowStats, _new
 from .validate import Options, chunked_unsupported
@@ -49,10 +49,11 @@ def unit_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx, need_dw, need_db,
-            shard=None, divisor=None):
+            shard=None, divisor=None, cfg=None):
     """Returns (RowStats of all rows, grad_hidden, grad_weight, grad_bias) with the gradients for an
     upstream gradient of 1 (of the loss over ``divisor`` when given), None where not needed, in
-    ``unit_dtype(hidden.dtype)`` (the bias's in fp32)."""
+    ``unit_dtype(hidden.dtype)`` (the bias's in fp32). ``cfg``: the sweep's and the gradient
+    kernel's tiles, else the table's or, with autotuning on, the fastest for this shape."""
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -62,7 +63,10 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         zeros = (torch.zeros((0, h), **out) if need_dx else None, torch.zeros((v, h), **out) if need_dw else None,
                  torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None)
         return (stats, *zeros)
-    cfg = configs.sweep_config(dtype, chunked=True)
+    if cfg is None:
+        cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
+            hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c),
+            opts.chunk_bytes, shard)
     rows = configs.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
     n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
@@ -93,7 +97,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
         e = buffer[:r]
-        stats, tile_stats = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e)
+        stats, tile_stats = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg)
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)

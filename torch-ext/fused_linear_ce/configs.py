@@ -1,12 +1,13 @@
 """Launch configurations: block sizes, warps, stages, the vocabulary split, and the backward chunk.
 
-Fixed defaults, no autotuning (tests never pay for tuning; importing never touches the GPU). The GPU
-values are starting points measured on an H200 (see ``benchmarks/NOTES.md``); the interpreter values
-only keep CPU tests quick.
+Fixed tuned defaults per shape bucket (``tiles``); autotuning for the exact shape is opt-in
+(``autotune.py``), so tests never pay for tuning and importing never touches the GPU. The GPU values
+were measured on an H200 (see ``benchmarks/NOTES.md``); the interpreter values only keep CPU tests
+quick.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -84,22 +85,71 @@ _CPU_SPLITS = 3
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 
-def sweep_config(dtype: torch.dtype, *, chunked: bool = False) -> TileConfig:
-    """The sweep's tiles; ``chunked``: the chunked path's (its in-place gradient kernel uses the
-    same tiles, one tile max per row of each)."""
+# The tuned tiles of the three logit kernels per shape bucket, for 16-bit inputs on the GPU: per role,
+# (largest H of the bucket or None for the rest, the name of the config in this module) in ascending
+# H. The bucket is the hidden size: H is the length of each tile's product loop, against which the
+# tile's softmax epilogue is a fixed cost. Names, not objects, so that experiments patch the
+# module's configs. Every bucket here was measured (NOTES v13-v14).
+_TUNED = {
+    "sweep": ((None, "_GPU_SWEEP"),),
+    "chunked": ((None, "_GPU_CHUNKED_SWEEP"),),
+    "dlogits": ((None, "_GPU_DLOGITS"),),
+}
+ROLES = tuple(_TUNED)
+
+
+def tiles(role: str, dtype: torch.dtype, h: int | None = None) -> TileConfig:
+    """The tuned tiles of one logit kernel (``role``: "sweep" the forward's vocabulary sweep,
+    "chunked" the chunked path's sweep and its in-place gradient kernel, "dlogits" the recompute
+    backward's) for hidden size ``h`` (None: the largest bucket). The interpreter and fp32 have one
+    configuration each."""
     if interpreted():
         return _CPU_SWEEP
     if dtype == torch.float32:
         return _GPU_SWEEP_FP32
-    return _GPU_CHUNKED_SWEEP if chunked else _GPU_SWEEP
+    for h_max, name in _TUNED[role]:
+        if h_max is None or (h is not None and h <= h_max):
+            return globals()[name]
+    raise AssertionError(f"no bucket of {role!r} takes h={h}")  # the last bucket is open-ended
 
 
-def dlogits_config(dtype: torch.dtype) -> TileConfig:
+def candidates(role: str, dtype: torch.dtype, h: int | None = None) -> tuple[TileConfig, ...]:
+    """What opt-in autotuning (``autotune``) times for ``role``: the tuned tiles first, then their
+    neighbours (the variants of NOTES v13 that ran; a candidate that does not fit a GPU's shared
+    memory is skipped there). fp32 keeps its one configuration; the interpreter gets two, so that CPU
+    tests exercise the choice."""
+    base = tiles(role, dtype, h)
+    if interpreted():
+        return (base, replace(base, block_v=base.block_v // 2))
+    if dtype == torch.float32:
+        return (base,)
+    wide = dict(block_n=128, block_v=256, num_warps=8, num_stages=3, resident=1)
+    square = dict(block_n=128, block_v=128, num_warps=4, num_stages=3, resident=1)
+    variants = {
+        "sweep": (dict(num_stages=4), dict(block_n=256, block_v=128), dict(square, resident=2),
+                  dict(block_n=64, num_warps=4)),
+        "chunked": (dict(num_stages=4), dict(block_n=256, block_v=128, num_warps=8), dict(wide),
+                    dict(group_m=32)),
+        "dlogits": (dict(num_stages=4), dict(square), dict(block_v=128)),
+    }[role]
+    out = [base]
+    for change in variants:
+        cfg = replace(base, **change)
+        if cfg not in out:
+            out.append(cfg)
+    return tuple(out)
+
+
+def sweep_config(dtype: torch.dtype, *, chunked: bool = False, h: int | None = None) -> TileConfig:
+    """The sweep's tiles; ``chunked``: the chunked path's (its in-place gradient kernel uses the
+    same tiles, one tile max per row of each). ``h``: the hidden size (``tiles``)."""
+    return tiles("chunked" if chunked else "sweep", dtype, h)
+
+
+def dlogits_config(dtype: torch.dtype, *, h: int | None = None) -> TileConfig:
     """The recompute backward's tiles: its dlogits kernel's, and the granularity of its plan's blocks
     (``plan_passes``) and bias partial sums."""
-    if interpreted():
-        return _CPU_SWEEP
-    return _GPU_SWEEP_FP32 if dtype == torch.float32 else _GPU_DLOGITS
+    return tiles("dlogits", dtype, h)
 
 
 @functools.lru_cache(maxsize=None)

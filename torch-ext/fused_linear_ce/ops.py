@@ -37,8 +37,8 @@ def forward(
     the recompute backward uses. The three gradients are those of an upstream gradient of 1 when
     the chunked path runs (``chunked.use``), else empty (0,). ``divisor`` (fp32 0-d, with "sum"):
     the loss is the sum over it (``num_items_in_batch``), inside the op so that the chunked path
-    applies it with the rest of the common factor to its products (``products.product``). ``group_id`` names a vocabulary-parallel
-    process group (parallel.register), 0 for none."""
+    applies it with the rest of the common factor to its products (``products.product``).
+    ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none."""
     opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
                     return_lse, chunk_bytes, strategy)
     shard = parallel.shard_for(group_id, weight.shape[0])
