@@ -89,7 +89,8 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 # (largest H of the bucket or None for the rest, the name of the config in this module) in ascending
 # H. The bucket is the hidden size: H is the length of each tile's product loop, against which the
 # tile's softmax epilogue is a fixed cost. Names, not objects, so that experiments patch the
-# module's configs. Every bucket here was measured (NOTES v13-v14).
+# module's configs. One bucket so far: the H200 at H = 640 to 4096 gave no second one that held up
+# side by side (NOTES v13-v14); ``autotune`` tunes for the exact shape where that matters.
 _TUNED = {
     "sweep": ((None, "_GPU_SWEEP"),),
     "chunked": ((None, "_GPU_CHUNKED_SWEEP"),),
