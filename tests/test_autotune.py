@@ -169,3 +169,19 @@ def test_tuned_forward_without_grad_matches_the_table():
         tuned = fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
     assert {key[0] for key in autotune.chosen()} == {"sweep"}
     torch.testing.assert_close(tuned, untuned, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [dict(bias=True, softcap=15.0, logit_scale=0.7),
+                                     dict(label_smoothing=0.1, class_weight=True, ignored=0.25)],
+                         ids=["bias-softcap-scale", "smoothing-class-weight"])
+@pytest.mark.parametrize("role", list(LAUNCHES))
+def test_every_loss_variant_is_exact_with_other_tiles(role, options, monkeypatch):
+    """A tuned choice whose tiles differ from the table's (half the block_v: ragged tiles at V =
+    300) keeps the loss variants' gradients, the bias's included, as exact as the table's tiles."""
+    autotune.enable(True)
+    base, *others = configs.candidates(role, torch.bfloat16, 48)
+    wanted = next(c for c in others if c.block_v != base.block_v)
+    monkeypatch.setattr(autotune, "_time", lambda run, cfg, device: 1.0 if cfg == wanted else 2.0)
+    strategy = LAUNCHES[role][0]
+    check_three_way(Case(24, 48, 300, torch.bfloat16, "mean", extra=dict(strategy=strategy), **options))
+    assert [cfg for key, cfg in autotune.chosen().items() if key[0] == role] == [wanted]
