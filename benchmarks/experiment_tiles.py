@@ -2,7 +2,8 @@
 
     python3 benchmarks/experiment_tiles.py [--run run1|run2] [--shapes S1 S2 S3] [--out DIR]
 
-Every logit kernel runs one 128 x 256 (or 256 x 128) tile with 8 warps and 3 stages: 255 registers a
+Before run 1 (commit c0ece1d shipped its result) every logit kernel ran one 128 x 256 (or 256 x 128)
+tile with 8 warps and 3 stages: 255 registers a
 thread and 144 KB of shared memory, so one program per SM, and a tile's softmax epilogue (and the
 dlogits kernel's store of da) runs while that SM's tensor cores idle. A 128 x 128 tile with 4 warps
 takes 255 registers x 128 threads and 96 KB (3 stages; ``scripts/registers.py`` compiles them

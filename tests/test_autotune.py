@@ -1,5 +1,5 @@
 """Opt-in autotuning (``autotune.py``): off by default, tunes once per shape, each stage with its own
-candidates (``configs.candidates``: two on the interpreter, so the CPU run exercises the choice), the
+candidates (``configs.candidates``: three on the interpreter, so the CPU run exercises the choice), the
 tuned results as exact as the table's, a candidate that does not fit the GPU skipped, and no tuning
 during CUDA graph capture or for a vocabulary shard."""
 
@@ -159,29 +159,67 @@ def test_no_tuning_during_cuda_graph_capture():
     assert got == configs.tiles("sweep", torch.bfloat16, 48) and autotune.chosen() == {}
 
 
-def test_tuned_forward_without_grad_matches_the_table():
-    """Evaluation (no grad) tunes the sweep alone; the per-row losses match the untuned call's to
-    fp32 rounding (a different tile can merge partial sums in another order)."""
+def test_tuned_forward_without_grad_matches_the_table(monkeypatch):
+    """Evaluation (no grad) tunes the sweep alone; with a choice of other tiles forced (taller, or
+    narrower where none is taller) the per-row losses match the untuned call's to fp32 rounding (a
+    different tile can merge partial sums in another order)."""
     hidden, weight, _bias, targets = make_inputs(Case(40, 48, 500, torch.float16, "none"))
+    base, *others = configs.candidates("sweep", torch.float16, 48)
+    wanted = next((c for c in others if c.block_n != base.block_n), others[0])
+    monkeypatch.setattr(autotune, "_time", lambda run, cfg, device: 1.0 if cfg == wanted else 2.0)
     with torch.no_grad():
         untuned = fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
         autotune.enable(True)
         tuned = fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
-    assert {key[0] for key in autotune.chosen()} == {"sweep"}
+    assert list(autotune.chosen().values()) == [wanted] and {key[0] for key in autotune.chosen()} == {"sweep"}
     torch.testing.assert_close(tuned, untuned, rtol=1e-6, atol=1e-6)
 
 
+def test_one_candidate_is_not_timed(monkeypatch):
+    autotune.enable(True)
+    calls = _count_timings(monkeypatch)
+    only = configs.tiles("sweep", torch.float32, 48)
+    monkeypatch.setattr(configs, "candidates", lambda role, dtype, h=None: (only,))
+    assert autotune.tiles("sweep", torch.zeros(16, 48, device=DEVICE), 300, lambda cfg: cfg) == only
+    assert calls == [] and autotune.chosen() == {}
+
+
+def test_the_key_holds_the_call_variant_and_the_budget(monkeypatch):
+    """A bias, another set of wanted gradients or another chunk_bytes at the same shape tunes again
+    (they change the kernels built and the backward's plan)."""
+    calls = _count_timings(monkeypatch)
+    autotune.enable(True)
+    base = Case(40, 48, 500, torch.bfloat16, "mean", extra=dict(strategy="recompute"))
+    per_call = sum(len(configs.candidates(role, torch.bfloat16, 48)) for role in ("sweep", "dlogits"))
+    check_three_way(base)
+    assert len(calls) == per_call
+    check_three_way(Case(40, 48, 500, torch.bfloat16, "mean", bias=True, extra=dict(strategy="recompute")))
+    assert len(calls) == 2 * per_call
+    check_three_way(Case(40, 48, 500, torch.bfloat16, "mean", grad=("hidden",), extra=dict(strategy="recompute")))
+    assert len(calls) == 2 * per_call + len(configs.candidates("dlogits", torch.bfloat16, 48))
+    check_three_way(Case(40, 48, 500, torch.bfloat16, "mean", chunk_bytes=16 * 256 * 2,
+                         extra=dict(strategy="recompute")))
+    assert len(calls) == 2 * per_call + 2 * len(configs.candidates("dlogits", torch.bfloat16, 48))
+
+
 @pytest.mark.parametrize("options", [dict(bias=True, softcap=15.0, logit_scale=0.7),
-                                     dict(label_smoothing=0.1, class_weight=True, ignored=0.25)],
-                         ids=["bias-softcap-scale", "smoothing-class-weight"])
+                                     dict(label_smoothing=0.1, class_weight=True, ignored=0.25),
+                                     dict(bias=True, chunk_bytes=16 * 256 * 2)],
+                         ids=["bias-softcap-scale", "smoothing-class-weight", "bias-small-budget"])
+@pytest.mark.parametrize("shape", ["narrow", "tall"])
 @pytest.mark.parametrize("role", list(LAUNCHES))
-def test_every_loss_variant_is_exact_with_other_tiles(role, options, monkeypatch):
-    """A tuned choice whose tiles differ from the table's (half the block_v: ragged tiles at V =
-    300) keeps the loss variants' gradients, the bias's included, as exact as the table's tiles."""
+def test_every_loss_variant_is_exact_with_other_tiles(role, shape, options, monkeypatch):
+    """A tuned choice whose tiles differ from the table's (``narrow``: half the block_v, ragged
+    tiles at V = 300; ``tall``: another block_n, which also sets the bias partial sums' row blocks
+    and the backward plan's granularity) keeps the loss variants' gradients, the bias's included, as
+    exact as the table's tiles; ``bias-small-budget`` makes the recompute backward cut its plane."""
     autotune.enable(True)
     base, *others = configs.candidates(role, torch.bfloat16, 48)
-    wanted = next(c for c in others if c.block_v != base.block_v)
+    field = "block_v" if shape == "narrow" else "block_n"
+    wanted = next((c for c in others if getattr(c, field) != getattr(base, field)), None)
+    if wanted is None:
+        pytest.skip(f"no {role} candidate with another {field} on this device")
     monkeypatch.setattr(autotune, "_time", lambda run, cfg, device: 1.0 if cfg == wanted else 2.0)
     strategy = LAUNCHES[role][0]
-    check_three_way(Case(24, 48, 300, torch.bfloat16, "mean", extra=dict(strategy=strategy), **options))
+    check_three_way(Case(72, 48, 300, torch.bfloat16, "mean", extra=dict(strategy=strategy), **options))
     assert [cfg for key, cfg in autotune.chosen().items() if key[0] == role] == [wanted]

@@ -5,17 +5,20 @@ call ever times anything. On (``FUSED_LINEAR_CE_AUTOTUNE=1`` in the environment,
 ``enable(True)``), the first call at a new shape times every one of ``configs.candidates`` for each
 kernel it runs (the forward's sweep, the chunked path, the recompute backward) on the call's own
 inputs, a warm-up and ``REPS`` timed runs each, and keeps the fastest for that key (role, dtype, N,
-H, V, memory budget, device) for the rest of the process; later calls at that shape pay nothing.
+H, V, memory budget, device, and the call's variant: bias, softcap, metrics, label smoothing, class
+weights, which gradients, TMA-able layouts) for the rest of the process; later calls with that key
+pay nothing. The key holds the exact N: a new sequence length tunes again.
 
 What the tuning run costs and changes:
 - Time, once per shape: each candidate's compile and ``REPS + 1`` runs of that kernel's whole
   stage (a forward, or a backward). It synchronises the device while it times.
 - Memory: a candidate's run allocates what the stage itself allocates and frees it before the next,
-  so the peak stays that of one call.
+  so the allocated peak stays about that of one call (the forward sweep's O(N) outputs are
+  allocated before it tunes).
 - Results: the candidates compute the same sums tile by tile, but a different tile shape can change
   the order in which partial statistics merge, so tuned and untuned results may differ in the last
-  bits (both are checked against float64 in the tests). Pin a choice (``chosen``) where runs must
-  be bit-reproducible across processes.
+  bits (both are checked against float64 in the tests). Leave it off where runs must be
+  bit-reproducible across processes.
 
 Never tunes during CUDA graph capture or for a vocabulary-parallel shard (the collectives would
 run once per candidate); the table's tiles serve there.
@@ -65,20 +68,32 @@ def reset() -> None:
     _timings.clear()
 
 
-def tiles(role: str, hidden: torch.Tensor, v: int, run, budget=None, shard=None) -> TileConfig:
+def tiles(role: str, hidden: torch.Tensor, v: int, run, budget=None, shard=None, *, variant=()) -> TileConfig:
     """The tiles for ``role`` at this call's shape: the table's (``configs.tiles``), or with
     autotuning on the fastest of ``configs.candidates``, each timed by ``run(cfg)`` (which runs the
-    whole stage with those tiles and returns its outputs, dropped here)."""
+    whole stage with those tiles and returns its outputs, dropped here). ``variant``: what else of
+    the call changes the kernels it builds (part of the key)."""
     n, h = hidden.shape
     base = configs.tiles(role, hidden.dtype, h)
     if not enabled() or shard is not None or n == 0 or _capturing(hidden.device):
         return base
-    key = (role, hidden.dtype, n, h, v, configs.chunk_budget(budget), str(hidden.device))
+    candidates = configs.candidates(role, hidden.dtype, h)
+    if len(candidates) == 1:
+        return candidates[0]  # nothing to choose (fp32 on the GPU)
+    key = (role, hidden.dtype, n, h, v, configs.chunk_budget(budget), str(hidden.device), tuple(variant))
     if key not in _chosen:
-        measured = [(cfg, _time(run, cfg, hidden.device)) for cfg in configs.candidates(role, hidden.dtype, h)]
+        measured, last_error = [], None
+        for cfg in candidates:
+            try:
+                measured.append((cfg, _time(run, cfg, hidden.device)))
+            except Exception as exc:  # a candidate that cannot run here is skipped; anything else is a bug
+                if not _resource_error(exc):
+                    raise
+                measured.append((cfg, None))
+                last_error = exc
         ran = [(ms, i) for i, (_cfg, ms) in enumerate(measured) if ms is not None]
         if not ran:
-            raise RuntimeError(f"autotuning {role}: no candidate ran at N={n} H={h} V={v} (the first: the table's)")
+            raise RuntimeError(f"autotuning {role}: no candidate ran at N={n} H={h} V={v}") from last_error
         _timings[key] = measured
         _chosen[key] = measured[min(ran)[1]][0]
     return _chosen[key]
@@ -88,15 +103,9 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _time(run, cfg: TileConfig, device: torch.device) -> float | None:
-    """Median ms of ``REPS`` runs of ``run(cfg)`` after one warm-up (the compile), or None when the
-    candidate does not build or launch on this device (e.g. too much shared memory)."""
-    try:
-        run(cfg)
-    except Exception as exc:  # a candidate that cannot run here is skipped, the reason kept below
-        if not _resource_error(exc):
-            raise
-        return None
+def _time(run, cfg: TileConfig, device: torch.device) -> float:
+    """Median ms of ``REPS`` runs of ``run(cfg)`` after one warm-up (the compile)."""
+    run(cfg)
     times = []
     for _ in range(REPS):
         if device.type == "cuda":

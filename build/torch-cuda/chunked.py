@@ -66,7 +66,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if cfg is None:
         cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
             hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c),
-            opts.chunk_bytes, shard)
+            opts.chunk_bytes, shard,
+            variant=launch.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
     rows = configs.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
     n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)

@@ -117,11 +117,11 @@ def tiles(role: str, dtype: torch.dtype, h: int | None = None) -> TileConfig:
 def candidates(role: str, dtype: torch.dtype, h: int | None = None) -> tuple[TileConfig, ...]:
     """What opt-in autotuning (``autotune``) times for ``role``: the tuned tiles first, then their
     neighbours (the variants of NOTES v13 that ran; a candidate that does not fit a GPU's shared
-    memory is skipped there). fp32 keeps its one configuration; the interpreter gets two, so that CPU
-    tests exercise the choice."""
+    memory is skipped there). fp32 keeps its one configuration; the interpreter gets three (narrower
+    and taller tiles), so that CPU tests exercise the choice."""
     base = tiles(role, dtype, h)
     if interpreted():
-        return (base, replace(base, block_v=base.block_v // 2))
+        return (base, replace(base, block_v=base.block_v // 2), replace(base, block_n=2 * base.block_n))
     if dtype == torch.float32:
         return (base,)
     wide = dict(block_n=128, block_v=256, num_warps=8, num_stages=3, resident=1)

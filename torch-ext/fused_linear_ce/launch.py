@@ -42,6 +42,14 @@ def _descriptors(hidden, weight, cfg):
             TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
 
 
+def tuning_variant(hidden, weight, bias, class_weight, opts: Options, *needs) -> tuple:
+    """What of a call, besides its shape, changes the kernels it builds (the autotuning key's
+    ``variant``): bias, softcap, metrics, label smoothing, class weights, TMA-able layouts, and the
+    gradients wanted (``needs``)."""
+    return (bias is not None, opts.softcap is not None, opts.return_metrics, opts.label_smoothing > 0,
+            class_weight is not None, configs.tma_layout(hidden) and configs.tma_layout(weight), *needs)
+
+
 def _bias_args(bias, like):
     return (bias, bias.stride(0)) if bias is not None else (like, 0)
 
@@ -88,9 +96,10 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
-    exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
-    per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
-    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``)."""
+    exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``; without them, the
+    table's chunked tiles); plane 0 of the per-split statistics, (T, N), is then each tile's row
+    max. ``cfg``: the tiles, else the table's or, with autotuning on, the fastest for this shape
+    (``autotune.tiles``)."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
@@ -110,7 +119,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     if cfg is None:
         cfg = (configs.sweep_config(hidden.dtype, chunked=True, h=h) if e_out is not None else autotune.tiles(
             "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
-            shard=shard))
+            shard=shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts)))
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
@@ -225,7 +234,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     if cfg is None:
         cfg = autotune.tiles("dlogits", hidden, v, lambda c: backward(
             hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db, shard, common,
-            cfg=c), opts.chunk_bytes, shard)
+            cfg=c), opts.chunk_bytes, shard,
+            variant=tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
     passes = configs.plan_passes(n, v, h, dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
                                  need_dw)
     dx_pass = next(p for p in passes if p.rows_grads) if need_dx or need_db else None
