@@ -81,7 +81,7 @@ LAUNCHES = {
 }
 
 
-@pytest.mark.parametrize("role", list(LAUNCHES))
+@pytest.mark.parametrize("role", configs.ROLES)  # every role: LAUNCHES must name its kernels
 def test_a_forced_choice_is_the_one_that_runs(role, monkeypatch):
     """The kept tiles are what the call launches: a candidate whose block_v differs from the
     table's, forced to win, sets BLOCK_V in every kernel of its stage (the chunked path's sweep and
@@ -207,7 +207,7 @@ def test_the_key_holds_the_call_variant_and_the_budget(monkeypatch):
                                      dict(bias=True, chunk_bytes=16 * 256 * 2)],
                          ids=["bias-softcap-scale", "smoothing-class-weight", "bias-small-budget"])
 @pytest.mark.parametrize("shape", ["narrow", "tall"])
-@pytest.mark.parametrize("role", list(LAUNCHES))
+@pytest.mark.parametrize("role", configs.ROLES)  # every role: LAUNCHES must name its kernels
 def test_every_loss_variant_is_exact_with_other_tiles(role, shape, options, monkeypatch):
     """A tuned choice whose tiles differ from the table's (``narrow``: half the block_v, ragged
     tiles at V = 300; ``tall``: another block_n, which also sets the bias partial sums' row blocks

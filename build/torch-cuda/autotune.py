@@ -13,8 +13,7 @@ What the tuning run costs and changes:
 - Time, once per shape: each candidate's compile and ``REPS + 1`` runs of that kernel's whole
   stage (a forward, or a backward). It synchronises the device while it times.
 - Memory: a candidate's run allocates what the stage itself allocates and frees it before the next,
-  so the allocated peak stays about that of one call (the forward sweep's O(N) outputs are
-  allocated before it tunes).
+  so the allocated peak stays about that of one call.
 - Results: the candidates compute the same sums tile by tile, but a different tile shape can change
   the order in which partial statistics merge, so tuned and untuned results may differ in the last
   bits (both are checked against float64 in the tests). Leave it off where runs must be

@@ -96,15 +96,19 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
-    exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``; without them, the
-    table's chunked tiles); plane 0 of the per-split statistics, (T, N), is then each tile's row
-    max. ``cfg``: the tiles, else the table's or, with autotuning on, the fastest for this shape
-    (``autotune.tiles``)."""
+    exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
+    per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
+    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``)."""
     n, h = hidden.shape
     v = weight.shape[0]
     device = hidden.device
     metrics = opts.return_metrics
     smoothing = opts.label_smoothing > 0
+    if cfg is None:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
+        assert e_out is None, "the chunked path's sweep takes its tiles from the caller"
+        cfg = autotune.tiles(
+            "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
+            shard=shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts))
     offset, v_total = (shard.offset, shard.v_total) if shard is not None else (0, v)
     lse2 = _new((2, n), torch.float32, device)
     z_target = _new((n,), torch.float32, device)
@@ -116,10 +120,6 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     if n == 0:
         return stats_out, None
 
-    if cfg is None:
-        cfg = (configs.sweep_config(hidden.dtype, chunked=True, h=h) if e_out is not None else autotune.tiles(
-            "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
-            shard=shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts)))
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:

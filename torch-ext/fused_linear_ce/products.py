@@ -63,19 +63,21 @@ def _transposed(t: torch.Tensor):
     return True if configs.tma_layout(t.t()) else None
 
 
-def _takes_tma(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig) -> bool:
-    """Whether ``matmul`` loads a and b through TMA descriptors: the config, the GPU and both
-    layouts allow it."""
-    return (cfg.tma and a.shape[1] > 0 and configs.tma_hardware(a.device)
-            and _transposed(a) is not None and _transposed(b) is not None)
+def _tma_layouts(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig):
+    """When ``matmul`` loads a and b through TMA descriptors (the config, the GPU and both layouts
+    allow it): whether each is read through its transpose's storage (``_transposed``); else None."""
+    if not (cfg.tma and a.shape[1] > 0 and configs.tma_hardware(a.device)):
+        return None
+    layouts = (_transposed(a), _transposed(b))
+    return None if None in layouts else layouts
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
-    """(a TMA descriptor over ``t``'s storage, whether it is over ``t``'s transpose); ``t`` has a
-    layout ``_transposed`` accepts."""
-    if _transposed(t):
-        return TensorDescriptor.from_tensor(t.t(), [block_cols, block_rows]), True
-    return TensorDescriptor.from_tensor(t, [block_rows, block_cols]), False
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, transposed: bool):
+    """A TMA descriptor over ``t``'s storage: over ``t`` itself, or over its transpose when
+    ``transposed`` (``_transposed(t)``)."""
+    if transposed:
+        return TensorDescriptor.from_tensor(t.t(), [block_cols, block_rows])
+    return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
 
 
 def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -95,7 +97,8 @@ def rounds_once(a: torch.Tensor, b: torch.Tensor) -> bool:
     once rather than twice (cuBLAS, then ``scale``): fp16 and fp32 always go to the matmul (the
     factor in its epilogue); bf16 where the matmul loads through TMA, as fast as cuBLAS there (NOTES
     v12), or where its output has ``few_tiles`` (cuBLAS with an fp32 result, then one rounding)."""
-    return a.dtype != torch.bfloat16 or few_tiles(a, b) or _takes_tma(a, b, configs.matmul_config(a.dtype))
+    return (a.dtype != torch.bfloat16 or few_tiles(a, b)
+            or _tma_layouts(a, b, configs.matmul_config(a.dtype)) is not None)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
@@ -107,12 +110,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     if m == 0 or p == 0:
         return
     cfg = configs.matmul_config(a.dtype)
-    tma = _takes_tma(a, b, cfg)
-    if tma:
-        a_desc, a_t = _descriptor(a, cfg.block_m, cfg.block_k)
-        b_desc, b_t = _descriptor(b, cfg.block_k, cfg.block_p)
-    else:
-        (a_desc, a_t), (b_desc, b_t) = (a, False), (b, False)
+    layouts = _tma_layouts(a, b, cfg)
+    tma = layouts is not None
+    a_t, b_t = layouts if tma else (False, False)
+    a_desc = _descriptor(a, cfg.block_m, cfg.block_k, a_t) if tma else a
+    b_desc = _descriptor(b, cfg.block_k, cfg.block_p, b_t) if tma else b
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
         a, b, c, unscale if unscale is not None else c, a_desc, b_desc, m, p, k,
