@@ -54,7 +54,8 @@ def cases() -> list[Case]:
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=True)
     forward = dict(logit, METRICS=False, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
-                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, EMULATE_ROUNDING=False, GROUP_M=0)
+                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, EMULATE_ROUNDING=False, GROUP_M=0,
+                   SKIP_IGNORED=True)
     descs = dict(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
     backward = dict(logit, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
                     BLOCK_H=dlogits.block_h, GROUP_M=dlogits.group_m)

@@ -47,6 +47,7 @@ def lse_sweep_kernel(
     tiles_per_split,
     num_splits,
     vocab_offset,  # global id of this weight's first row (vocabulary-parallel shards), else 0
+    ignore_index,  # with SKIP_IGNORED: a row whose target is this one is not counted
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     METRICS: tl.constexpr,
@@ -64,6 +65,7 @@ def lse_sweep_kernel(
     E_TMA: tl.constexpr = False,
     EMULATE_ROUNDING: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
+    SKIP_IGNORED: tl.constexpr = False,
 ):
     """One program: BLOCK_N rows x one contiguous range of vocabulary tiles (its split).
 
@@ -73,6 +75,13 @@ def lse_sweep_kernel(
     that holds the target), with METRICS the rescaled sum of exp(z - m) * z and the running argmax,
     and with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
     HAS_CLASS_WEIGHT). fp32, no atomics.
+
+    SKIP_IGNORED: a program whose rows are all ignored (prompt tokens under an assistant-only loss,
+    padding) computes no logit tile and writes neutral statistics, m = 0 and a sum of 1 (on split 0,
+    0 elsewhere), so the merge gives lse = 0 and entropy 0 there; nothing reads them (the losses,
+    metrics and gradient coefficients of ignored rows are zero), so the host turns it off when the
+    lse itself is returned. With STORE_E such a tile's exponentials are not written: the gradient
+    kernel gives rows whose coefficient A is zero a zero gradient whatever the buffer holds.
     """
     if GROUP_M > 0:
         pid_n, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_M)
@@ -87,6 +96,9 @@ def lse_sweep_kernel(
     # shard's, or out of range): each tile compares its own columns against it in int32.
     in_shard = (target >= vocab_offset) & (target < vocab_offset + V)
     target_col = tl.where(in_shard, target - vocab_offset, -1).to(tl.int32)
+    live = True  # some row of the block is counted
+    if SKIP_IGNORED:
+        live = tl.sum((mask_n & (target != ignore_index)).to(tl.int32), axis=0) > 0
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -101,7 +113,7 @@ def lse_sweep_kernel(
     n_tiles = tl.cdiv(V, BLOCK_V)
     for i in range(0, tiles_per_split):
         vt = pid_s * tiles_per_split + i
-        if vt < n_tiles:
+        if (vt < n_tiles) & live:
             offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
             mask_v = offs_v < V
             cols = tl.where(mask_v, offs_v, 0)
@@ -145,6 +157,10 @@ def lse_sweep_kernel(
                 best = tl.where(better, tile_max, best)
                 best_idx = tl.where(better, vt * BLOCK_V + tile_arg, best_idx)
             m = m_new
+
+    if SKIP_IGNORED:
+        m = tl.where(live, m, 0.0)
+        s = tl.where(live, s, tl.where(pid_s == 0, 1.0, 0.0))
 
     plane = tl.full((), num_splits, tl.int64) * N  # num_splits may come in as a constexpr 1
     base = stats_ptr + pid_s.to(tl.int64) * N + offs_n

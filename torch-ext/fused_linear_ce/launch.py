@@ -50,6 +50,13 @@ def tuning_variant(hidden, weight, bias, class_weight, opts: Options, *needs) ->
             class_weight is not None, configs.tma_layout(hidden) and configs.tma_layout(weight), *needs)
 
 
+def skip_ignored(opts: Options) -> bool:
+    """Whether the sweep skips the logit tiles of row blocks whose rows are all ignored (their
+    statistics are then neutral placeholders): always, unless the per-row lse is returned, which
+    covers ignored rows too."""
+    return not opts.return_lse
+
+
 def _bias_args(bias, like):
     return (bias, bias.stride(0)) if bias is not None else (like, 0)
 
@@ -147,12 +154,12 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
         hidden_desc, weight_desc, e_desc, n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
-        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset,
+        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset, opts.ignore_index,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
         SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma,
-        EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m,
+        EMULATE_ROUNDING=configs.interpreted(), GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **logit_flags(hidden.dtype),
     )
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
