@@ -33,6 +33,11 @@ SHARDED_CASES = [
          strategy="chunked"),
     dict(reduction="mean", dtype=torch.bfloat16, bias=True, logit_scale=0.7, softcap=3.0, return_metrics=True,
          strategy="chunked", chunk_bytes=16 * 48 * 2),
+    # Rows 16-47 ignored: whole row blocks (16 rows on the interpreter) that skip their logit tiles on
+    # every rank (no returned lse, so the recompute path skips too); their neutral statistics merge.
+    dict(reduction="mean", blocky=True, return_lse=False, return_metrics=True, shape=(53, 40, 96)),
+    dict(reduction="sum", dtype=torch.bfloat16, blocky=True, return_metrics=True, shape=(53, 40, 96),
+         strategy="chunked"),
 ]
 
 
@@ -65,9 +70,10 @@ def _exit_cleanly():
 
 def _run(hidden, weight, bias, targets, cw, kwargs, group=None):
     """Loss, metrics, lse and gradients; the lse is returned (and gets a gradient) except on the
-    chunked path, which does not take return_lse."""
+    chunked path, which does not take return_lse, and where the case says ``return_lse=False``."""
     leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
-    with_lse = kwargs.get("strategy") != "chunked"
+    kwargs = dict(kwargs)
+    with_lse = kwargs.pop("return_lse", kwargs.get("strategy") != "chunked")
     out = fused_linear_cross_entropy(leaves[0], leaves[1], targets, leaves[2], class_weight=cw, return_lse=with_lse,
                                      process_group=group, **kwargs)
     loss, *rest = out if isinstance(out, tuple) else (out,)
@@ -83,13 +89,16 @@ def _sharded_worker(rank, world, port, index):
     _init(rank, world, port)
     try:
         spec = dict(SHARDED_CASES[index])
-        opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes", "strategy")
-                if k in spec}
+        opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes", "strategy",
+                                         "return_lse") if k in spec}
+        blocky = spec.pop("blocky", False)
         case = Case(*spec.pop("shape", (23, 40, 96)), **{k: v for k, v in spec.items()
                                                          if k in Case.__dataclass_fields__})
         kwargs = dict(reduction=case.reduction, ignore_index=case.ignore_index, logit_scale=case.logit_scale,
                       softcap=case.softcap, **opts)
         hidden, weight, bias, targets = make_inputs(case, device="cpu")
+        if blocky:
+            targets[16:48] = case.ignore_index
         cw = class_weights(case, device="cpu")
         shard = slice(rank * case.v // world, (rank + 1) * case.v // world)
         full = _run(hidden, weight, bias, targets, cw, kwargs)

@@ -35,13 +35,15 @@ def _init(rank, world, port):
 
 def _inputs(n, h, v, device):
     """The same values on every rank (a seeded generator on each rank's GPU), logits of std ~2,
-    a fifth of the rows ignored."""
+    a fifth of the rows ignored, and rows 1024-2047 too (whole row blocks, which skip their logit
+    tiles on both ranks)."""
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, h, device=device, generator=g).bfloat16()
     weight = (torch.randn(v, h, device=device, generator=g) * (4.0 / h) ** 0.5).bfloat16()
     bias = torch.randn(v, device=device, generator=g).bfloat16()
     targets = torch.randint(0, v, (n,), device=device, generator=g)
     targets[torch.rand(n, device=device, generator=g) < 0.2] = -100
+    targets[1024:2048] = -100
     return hidden, weight, bias, targets
 
 
