@@ -2,19 +2,30 @@
 their logit tiles: the sweep computes none for them (the chunked path's sweep then leaves their
 exponentials unwritten: NaN here, ``FUSED_LINEAR_CE_POISON``, which must not reach a gradient), and the
 recompute path's dlogits kernel none for tiles whose rows all have zero coefficients. Checked here:
-that the skipping happens (the logit tiles computed, counted), and that every variant stays exact
-around it, on both paths, with whole ignored blocks next to counted and partly ignored ones."""
+that the skipping happens (the logit tiles computed, counted on the interpreter; the sweep's neutral
+statistics, on any device), and that every variant stays exact around it, on both paths, with whole
+ignored blocks next to counted and partly ignored ones, ignored rows' gradients exactly zero.
+Autotuning is held off here: its candidates include taller row blocks than B."""
 
 import pytest
 import torch
 
 from cases import Case, check_three_way, make_inputs
 from conftest import ON_GPU, reference, rel_err
-from fused_linear_ce import backward_kernels, forward_kernels, fused_linear_cross_entropy
+from fused_linear_ce import autotune, backward_kernels, forward_kernels, fused_linear_cross_entropy, launch
+from fused_linear_ce.validate import Options
 
-# Every kernel's BLOCK_N divides it (CPU tiles: 16 rows; GPU: 64 or 128), so rows [B, 3B) are
-# whole row blocks for each of them.
+# Every kernel's BLOCK_N in the tuned table divides it (CPU tiles: 16 rows; GPU: 64 or 128), so rows
+# [B, 3B) are whole row blocks for each of them.
 B = 128 if ON_GPU else 16
+
+
+@pytest.fixture(autouse=True)
+def table_tiles():
+    """The table's tiles, whatever FUSED_LINEAR_CE_AUTOTUNE says (see the module docstring)."""
+    autotune.enable(False)
+    yield
+    autotune.enable(None)
 
 
 def blocky(case: Case):
@@ -49,16 +60,44 @@ CASES += [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_exact_around_ignored_blocks(case):
-    check_three_way(case, inputs=blocky(case))
+    inputs = blocky(case)
+    loss, grads = check_three_way(case, inputs=inputs)
+    ignored = inputs[3] == case.ignore_index
+    assert torch.equal(grads["hidden"][ignored], torch.zeros_like(grads["hidden"][ignored]))
+    if case.reduction == "none":
+        assert torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
+
+
+def test_the_sweep_leaves_neutral_statistics_in_skipped_blocks():
+    """On any device: a wholly ignored block's rows get the neutral m = 0, log-sum 0 (only a skipped
+    block writes those), a partly ignored block's ignored rows their real statistics; with the lse
+    returned nothing is skipped."""
+    case = Case(N, 48, 300, torch.bfloat16)
+    hidden, weight, _, targets = blocky(case)
+    expected = torch.logsumexp(hidden.double() @ weight.double().t(), dim=1)
+    skipped = launch.forward(hidden, weight, targets, None, None, Options())
+    assert torch.equal(skipped.lse2[:, B : 3 * B], torch.zeros_like(skipped.lse2[:, B : 3 * B]))
+    assert rel_err(skipped.lse[3 * B : 3 * B + 4], expected[3 * B : 3 * B + 4]) < 1e-5  # partly ignored
+    assert rel_err(skipped.lse[:B], expected[:B]) < 1e-5
+    kept = launch.forward(hidden, weight, targets, None, None, Options(return_lse=True))
+    assert rel_err(kept.lse, expected) < 1e-5
 
 
 def test_returned_lse_covers_ignored_blocks():
-    """The lse is returned for every row, ignored ones too: nothing is skipped then."""
+    """The lse is returned for every row, ignored ones too: nothing is skipped then, and its
+    gradient reaches the ignored rows."""
     case = Case(N, 48, 300)
     hidden, weight, bias, targets = blocky(case)
-    _, lse = fused_linear_cross_entropy(hidden, weight, targets, return_lse=True)
+    h = hidden.detach().clone().requires_grad_(True)
+    loss, lse = fused_linear_cross_entropy(h, weight, targets, return_lse=True)
     expected = torch.logsumexp(hidden.double() @ weight.double().t(), dim=1)
     assert rel_err(lse, expected) < 1e-6
+    (loss + lse.sum()).backward()
+    h64 = hidden.double().clone().requires_grad_(True)
+    logits = h64 @ weight.double().t()
+    ref = torch.nn.functional.cross_entropy(logits, targets, ignore_index=case.ignore_index)
+    (ref + torch.logsumexp(logits, dim=1).sum()).backward()
+    assert rel_err(h.grad, h64.grad) < 1e-5
 
 
 def test_metrics_and_loss_over_counted_rows_only():

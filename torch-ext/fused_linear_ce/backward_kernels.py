@@ -60,8 +60,7 @@ def dlogits_kernel(
 
     The per-row coefficients carry the upstream gradient, the reduction, label smoothing, z-loss,
     class weights and the gradient of a returned lse; a row whose coefficients are all 0 (an ignored
-    row) gets exactly 0, and a tile whose rows are all such computes no logits (nor reads the
-    statistics, which the sweep leaves neutral for wholly ignored row blocks). A counted row whose
+    row) gets exactly 0, and a tile whose rows are all such computes no logits. A counted row whose
     target is outside [0, V) gets NaN, as its loss does (the host marks it with B = NaN).
     """
     pid_m, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(R, BLOCK_N), tl.cdiv(C, BLOCK_V), GROUP_M)
@@ -75,8 +74,10 @@ def dlogits_kernel(
 
     coef_a = tl.load(coef_ptr + rows)
     coef_b = tl.load(coef_ptr + N + rows)
-    # A tile whose rows all have zero coefficients (ignored rows, a zero upstream gradient) is 0:
-    # it computes no logits. NaN (a target out of range) counts as nonzero.
+    # A tile whose rows all have zero coefficients (ignored rows; a zero per-row upstream gradient
+    # under reduction="none") computes no logits: z = 0 there, and the zero coefficients make every
+    # entry 0 below (through ``where``, never a product with p, which may overflow where the sweep
+    # left a wholly ignored block's statistics neutral). NaN (a target out of range) counts as nonzero.
     live_rows = mask_n & ((coef_a != 0.0) | (coef_b != 0.0))
     if SMOOTHING:
         live_rows = live_rows | (mask_n & (tl.load(coef_ptr + 2 * N + rows) != 0.0))
@@ -86,25 +87,24 @@ def dlogits_kernel(
             col0 + pid_v * BLOCK_V, rows, cols, H, stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale,
             softcap, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
         )
-        row_max = tl.load(lse_ptr + rows)
-        log_sum = tl.load(lse_ptr + N + rows)
-        target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
-        # The target's column within this tile (int32; -1 when another tile or shard holds it).
-        tile_col0 = vocab_offset + col0 + pid_v.to(tl.int64) * BLOCK_V
-        in_tile = (target >= tile_col0) & (target < tile_col0 + BLOCK_V)
-        target_col = tl.where(in_tile, target - tile_col0, -1).to(tl.int32)
-
-        p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
-        d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
-        d -= tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], coef_b[:, None], 0.0)
-        d = label_terms(d, coef_b, coef_ptr + 2 * N + rows, class_weight_ptr, offs_v, mask_v, SMOOTHING,
-                        HAS_CLASS_WEIGHT)
-        if HAS_SOFTCAP:
-            tc = z / softcap
-            d = d * (1.0 - tc * tc)
-        d = d * logit_scale
     else:
-        d = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+        z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    row_max = tl.load(lse_ptr + rows)
+    log_sum = tl.load(lse_ptr + N + rows)
+    target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
+    # The target's column within this tile (int32; -1 when another tile or shard holds it).
+    tile_col0 = vocab_offset + col0 + pid_v.to(tl.int64) * BLOCK_V
+    in_tile = (target >= tile_col0) & (target < tile_col0 + BLOCK_V)
+    target_col = tl.where(in_tile, target - tile_col0, -1).to(tl.int32)
+
+    p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
+    d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
+    d -= tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], coef_b[:, None], 0.0)
+    d = label_terms(d, coef_b, coef_ptr + 2 * N + rows, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
+    if HAS_SOFTCAP:
+        tc = z / softcap
+        d = d * (1.0 - tc * tc)
+    d = d * logit_scale
 
     mask = mask_n[:, None] & mask_v[None, :]
     store_dlogits(d, dlogits_ptr + local_n[:, None] * stride_dc + local_v[None, :], mask, mask_v,

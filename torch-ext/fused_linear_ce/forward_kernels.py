@@ -78,10 +78,12 @@ def lse_sweep_kernel(
 
     SKIP_IGNORED: a program whose rows are all ignored (prompt tokens under an assistant-only loss,
     padding) computes no logit tile and writes neutral statistics, m = 0 and a sum of 1 (on split 0,
-    0 elsewhere), so the merge gives lse = 0 and entropy 0 there; nothing reads them (the losses,
-    metrics and gradient coefficients of ignored rows are zero), so the host turns it off when the
-    lse itself is returned. With STORE_E such a tile's exponentials are not written: the gradient
-    kernel gives rows whose coefficient A is zero a zero gradient whatever the buffer holds.
+    0 elsewhere): finite, so the merge gives lse = 0 and entropy 0 (log of the group's size across
+    vocabulary shards). They are read only under a mask: the losses and metrics take ignored rows
+    through ``where``, and their gradient coefficients are zero, which the gradient kernels apply
+    through ``where`` too; the host turns skipping off when the lse itself is returned. With STORE_E
+    such a tile's exponentials are not written: the gradient kernel gives rows whose coefficient A
+    is zero a zero gradient whatever the buffer holds.
     """
     if GROUP_M > 0:
         pid_n, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_M)
