@@ -23,14 +23,17 @@ def reference(hidden, weight, targets):
     return loss / count, dx / count, dw / count
 
 
-def parse_args(shapes):
-    """The experiment scripts' command line: --shapes (names of ``shapes``) and --out (default $OUT)."""
+def parse_args(shapes, extra=None):
+    """The experiment scripts' command line: --shapes (names of ``shapes``) and --out (default $OUT),
+    and whatever ``extra(parser)`` adds."""
     import argparse
     import os
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(shapes))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from experiment_common import (MiB, interleaved, kernel_times, make_step, median, reference,  # noqa: E402
-                               write_results)
+from experiment_common import (MiB, interleaved, kernel_times, make_step, median, parse_args,  # noqa: E402
+                               reference, write_results)
 from tune import problem, rel  # noqa: E402
 
 import fused_linear_ce  # noqa: E402
@@ -67,17 +67,14 @@ def dead_blocks(targets, block=128):
     return (blocks.view(-1, block) == -100).all(1).float().mean().item()
 
 
-def main():
-    import argparse
-    import os
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+def _options(ap):
     ap.add_argument("--variants", nargs="*", default=[], help="NAME=PATH of other copies of the package")
     ap.add_argument("--settings", nargs="+", default=["eval", *SETTINGS])
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+
+
+def main():
+    args = parse_args(SHAPES, _options)
     packages = {"new": fused_linear_ce}
     for spec in args.variants:
         name, path = spec.split("=", 1)
