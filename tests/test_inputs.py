@@ -60,6 +60,15 @@ BAD = {
                                   ValueError, "softcap together with label_smoothing"),
     "ignore-index-float": (lambda h, w, t: (h, w, t, None, {"ignore_index": -100.0}), TypeError, "ignore_index"),
     "not-a-tensor": (lambda h, w, t: (h.tolist(), w, t, None, {}), TypeError, "hidden must be a torch.Tensor"),
+    # Bool options take bools: shift=2 is not a request for shift=True.
+    "shift-int": (lambda h, w, t: (h, w, t, None, {"shift": 2}), TypeError, "shift must be a bool"),
+    "metrics-int": (lambda h, w, t: (h, w, t, None, {"return_metrics": 1}), TypeError, "return_metrics must be a bool"),
+    "lse-str": (lambda h, w, t: (h, w, t, None, {"return_lse": "yes"}), TypeError, "return_lse must be a bool"),
+    "ignore-index-beyond-int64": (lambda h, w, t: (h, w, t, None, {"ignore_index": -(2**63) - 1}), ValueError,
+                                  "fit in int64"),
+    # No process group is initialised in this process.
+    "process-group-uninitialised": (lambda h, w, t: (h, w, t, None, {"process_group": "world"}), RuntimeError,
+                                    "not initialised"),
 }
 
 
