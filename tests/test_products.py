@@ -1,5 +1,5 @@
-"""Who runs the gradient products (``products``), and that every runner sums in fp32 and rounds once:
-cuBLAS may not round split-K partial sums to bf16 inside our calls, and the user's flags come back."""
+"""Who runs the gradient products (``products``), and that every runner sums in fp32 and rounds once
+without touching torch's process-wide cuBLAS flags (cuBLAS only ever writes fp32 results here)."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
-from fused_linear_ce import configs, products
+from fused_linear_ce import configs, fused_linear_cross_entropy, products
 
 FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
@@ -61,39 +61,96 @@ def test_direct_sends_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
     torch.testing.assert_close(got.double(), a.double() @ b.double(), rtol=2e-3, atol=2e-3)
 
 
-def test_cublas_calls_run_without_reduced_precision_reductions_and_the_flags_come_back(monkeypatch):
-    seen = []
-    real_mm, real_addmm = torch.mm, torch.addmm
+@pytest.fixture
+def flags_read_only(monkeypatch):
+    """Fails on any write to torch's cuBLAS matmul settings (process-wide: saving, setting and
+    restoring them around a call races with other threads and can leave the user's value changed)."""
+    module = type(torch.backends.cuda.matmul)
+    real = module.__setattr__
 
-    def record(real):
-        def run(*args, **kwargs):
-            seen.append(tuple(getattr(torch.backends.cuda.matmul, f) for f in FLAGS))
-            return real(*args, **kwargs)
+    def refuse(self, name, value):
+        raise AssertionError(f"a product wrote torch.backends.cuda.matmul.{name}")
 
-        return run
+    for f in FLAGS:  # the default, under which cuBLAS may round split-K partial sums to bf16
+        real(torch.backends.cuda.matmul, f, True)
+    monkeypatch.setattr(module, "__setattr__", refuse)
+    yield
+    monkeypatch.setattr(module, "__setattr__", real)
+    assert all(getattr(torch.backends.cuda.matmul, f) for f in FLAGS)
 
-    monkeypatch.setattr(torch, "mm", record(real_mm))
-    monkeypatch.setattr(torch, "addmm", record(real_addmm))
-    for f in FLAGS:
-        monkeypatch.setattr(torch.backends.cuda.matmul, f, True)
+
+def test_no_product_touches_the_global_matmul_flags(flags_read_only):
     a, b = _operands(16, 64, 24, torch.bfloat16)
     acc = torch.zeros(16, 24, device=DEVICE)
+    third = torch.tensor([1.0 / 3.0], device=DEVICE)
     products.direct(a, b, _out(a, b))
+    products.product(a, b, _out(a, b), False, third)
+    products.rows_product(a, b, _out(a, b), third)
+    products.rows_product(a, b, _out(a, b), None)
     products.accumulate(a, b, acc, True)
     products.accumulate(a, b, acc, False)
-    assert len(seen) == 3 and set(seen) == {(False, False)}
-    assert all(getattr(torch.backends.cuda.matmul, f) for f in FLAGS), "the user's flags must come back"
-    monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        products.direct(a, b, _out(a, b))
-    assert all(getattr(torch.backends.cuda.matmul, f) for f in FLAGS), "...after an error too"
 
 
-def test_rows_product_without_a_factor_is_direct_and_with_one_scales_once():
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_training_step_leaves_the_global_matmul_flags_alone(strategy, reduction, flags_read_only):
+    """Every path of a bf16 step, products summed in fp32 and rounded once, with torch's default
+    flags left as they are (and never written)."""
+    if strategy == "chunked" and reduction == "none":
+        pytest.skip("the chunked path does not take reduction='none'")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 48, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+    weight = (torch.randn(300, 48, generator=g) * 0.3).bfloat16().to(DEVICE).requires_grad_(True)
+    targets = torch.randint(0, 300, (40,), generator=g).to(DEVICE)
+    for chunk_bytes in (None, 40 * 64 * 2):  # one block, and many (fp32 accumulators)
+        loss = fused_linear_cross_entropy(hidden, weight, targets, reduction=reduction, strategy=strategy,
+                                          chunk_bytes=chunk_bytes)
+        loss.sum().backward()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="threads of Triton interpreter kernels are not the GPU's concurrency")
+def test_threads_computing_losses_at_once_get_the_serial_results():
+    """Eight threads, each its own loss and gradients (as DataParallel replicas do): the same bits
+    as one after the other, and the user's flags unchanged."""
+    import threading
+
+    before = tuple(getattr(torch.backends.cuda.matmul, f) for f in FLAGS)
+    g = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(256, 512, generator=g).bfloat16().to(DEVICE),
+               (torch.randn(4000, 512, generator=g) * 0.05).bfloat16().to(DEVICE),
+               torch.randint(0, 4000, (256,), generator=g).to(DEVICE)) for _ in range(8)]
+
+    def step(h, w, t):
+        h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = fused_linear_cross_entropy(h, w, t, reduction="none")
+        loss.sum().backward()
+        return loss.detach(), h.grad, w.grad
+
+    serial = [step(*x) for x in inputs]
+    results = [None] * len(inputs)
+
+    def worker(i):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            results[i] = step(*inputs[i])
+        torch.cuda.current_stream().synchronize()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for got, want in zip(results, serial):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert tuple(getattr(torch.backends.cuda.matmul, f) for f in FLAGS) == before
+
+
+def test_rows_product_rounds_once_with_or_without_a_factor():
     a, b = _operands(32, 2048, 40, torch.bfloat16)
     out = torch.empty(32, 40, dtype=torch.bfloat16, device=DEVICE)
     products.rows_product(a, b, out, None)
-    assert torch.equal(out, products.direct(a, b, _out(a, b)))
+    assert _beyond_one_rounding(out, a, b) <= 2.0**-16
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     products.rows_product(a, b, out, third)
     assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
@@ -166,43 +223,36 @@ def test_matmul_takes_pointer_loads_where_tma_does_not_apply(monkeypatch):
     assert spy.flags[-1][0] is False and _beyond_one_rounding(again, a, b) <= 2.0**-16
 
 
-def test_product_with_a_factor_rounds_once_where_the_matmul_loads_through_tma(monkeypatch):
-    """``product(scale_after=True)`` (the chunked path) applies a bf16 factor in the matmul's epilogue
-    where it loads through TMA (``rounds_once``), else runs cuBLAS and scales after it; fp16 always
-    goes to the matmul."""
+def test_product_with_a_factor_rounds_once_with_or_without_tma(monkeypatch):
+    """A bf16 product with a factor (the mean's 1/count) applies it in the matmul's epilogue, one
+    rounding, whether the matmul loads through TMA (aligned rows) or through pointers."""
     if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
     spy = _MatmulSpy(products.matmul_kernel)
     monkeypatch.setattr(products, "matmul_kernel", spy)
     monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
-    a, b = _operands(64, 200, 40, torch.bfloat16, seed=6)  # a: 400-byte rows
-    assert products.rounds_once(a, b) and products.rounds_once(a.half(), b.half())
     out = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
-    products.product(a, b, out, False, third, scale_after=True)
-    assert spy.flags == [(True, False, False)]
-    assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
-    a, b = _operands(64, 198, 40, torch.bfloat16, seed=6)  # a: 396-byte rows, no TMA
-    assert not products.rounds_once(a, b) and products.rounds_once(a.half(), b.half())
-    products.product(a, b, out, False, third, scale_after=True)
-    assert len(spy.flags) == 1  # cuBLAS (or its CPU stand-in), then ``scale``
-    torch.testing.assert_close(out.double(), (a.double() @ b.double()) / 3, rtol=8e-3, atol=1e-2)
+    for k, tma in ((200, True), (198, False)):  # a: 400-byte rows, then 396-byte rows (no TMA layout)
+        a, b = _operands(64, k, 40, torch.bfloat16, seed=6)
+        products.product(a, b, out, False, third)
+        assert spy.flags[-1] == (tma, False, False)
+        assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
 
 
 def test_a_product_with_few_output_tiles_goes_to_cublas_with_an_fp32_result_and_rounds_once(monkeypatch):
     """Few output tiles (under half the SMs) with a long K: the Triton matmul would leave most of the
-    GPU idle, so a bf16 product with a factor runs on cuBLAS with an fp32 result and one ``scale``,
-    with or without ``scale_after``. (On the CPU ``few_tiles`` is never true: patched here.)"""
+    GPU idle, so a 16-bit product runs on cuBLAS with an fp32 result and one ``scale``, with or
+    without a factor. (On the CPU ``few_tiles`` is never true: patched here.)"""
     spy = _MatmulSpy(products.matmul_kernel)
     monkeypatch.setattr(products, "matmul_kernel", spy)
     monkeypatch.setattr(products, "few_tiles", lambda a, b: True)
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     a, b = _operands(64, 198, 40, torch.bfloat16, seed=7)  # no TMA layout either
-    assert products.rounds_once(a, b)
-    for scale_after in (False, True):
+    for factor in (1.0 / 3.0, None):
         out = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
-        products.product(a, b, out, False, third, scale_after=scale_after)
-        assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
+        products.product(a, b, out, False, third if factor else None)
+        assert _beyond_one_rounding(out, a, b, factor or 1.0) <= 2.0**-16
     assert spy.flags == []
 
 
