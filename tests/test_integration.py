@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from cases import Case, make_inputs
 from conftest import DEVICE, ON_GPU, rel_err
 from fused_linear_ce import fused_linear_cross_entropy, ops
+from fused_linear_ce.validate import Options
 
 
 def _problem(b=3, t=7, h=32, v=200, dtype=torch.float32, seed=0):
@@ -27,8 +28,9 @@ def test_custom_ops_pass_opcheck(strategy):
     h2 = hidden.reshape(-1, 32).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     return_lse = strategy == "recompute"
-    args = (h2, w, None, targets.reshape(-1), None, None, -100, 1.0, None, "mean", True, 0.1, 1e-3, return_lse, None,
-            strategy, 0, True, True, False)
+    opts = Options(label_smoothing=0.1, z_loss=1e-3, return_metrics=True, return_lse=return_lse, strategy=strategy)
+    args = (h2, w, None, targets.reshape(-1), None, None, ops.scalars(opts), -100, False, "mean", True, True,
+            return_lse, None, strategy, 0, True, True, False)
     torch.library.opcheck(ops.forward, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -100,3 +100,19 @@ def test_argmax_ties_across_many_splits_take_the_first_class(strategy, monkeypat
     assert got["mean_token_accuracy"].item() == pytest.approx((targets == 5).float().mean().item(), abs=1e-6)
     assert rel_err(loss.detach(), want_loss) < 1e-5
     assert rel_err(got["entropy"], want["entropy"]) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_metrics_are_marked_non_differentiable(strategy):
+    """The metrics are forward-only statistics: they say so (requires_grad=False), so that
+    ``loss - beta * entropy`` cannot silently train on the loss alone, and backward through one of
+    them raises instead of returning nothing."""
+    case = Case(24, 32, 96)
+    hidden, weight, bias, targets = make_inputs(case)
+    h = hidden.clone().requires_grad_(True)
+    loss, metrics = fused_linear_cross_entropy(h, weight, targets, return_metrics=True, strategy=strategy)
+    assert loss.requires_grad
+    for name, value in metrics.items():
+        assert not value.requires_grad, name
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        metrics["entropy"].backward()
