@@ -2,6 +2,7 @@
 started by the test, each holding a contiguous shard of the vocabulary; every result must equal the
 single-process result on the unsharded weight. Also DDP and FSDP2 data parallelism with the loss."""
 
+import datetime
 import os
 import socket
 import sys
@@ -52,9 +53,10 @@ def _spawn(fn, world, *args):
     mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
 
 
-def _init(rank, world, port):
+def _init(rank, world, port, timeout_s=None):
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    extra = dict(timeout=datetime.timedelta(seconds=timeout_s)) if timeout_s else {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
 
 
 def _exit_cleanly():
@@ -147,6 +149,82 @@ def _unequal_worker(rank, world, port):
 
 def test_unequal_shards_raise():
     _spawn(_unequal_worker, 2)
+
+
+# Shard sizes per call and rank: equal, then unequal after an equal call of rank 0's size, then
+# equal at a new size, then unequal with rank 1 at a size seen before. Every rank must take the same
+# collectives on every call: an unequal call raises on every rank, and none waits for another.
+SIZE_SEQUENCE = [(10, 10), (10, 11), (12, 12), (13, 12), (10, 10)]
+
+
+def _size_sequence_worker(rank, world, port):
+    _init(rank, world, port, timeout_s=60)  # a rank left waiting fails the test instead of hanging it
+    try:
+        hidden, weight, _, targets = make_inputs(Case(5, 16, 30), device="cpu")
+        targets = targets % 20  # class ids inside every equal split's vocabulary
+        for sizes in SIZE_SEQUENCE:
+            call = lambda: fused_linear_cross_entropy(hidden, weight[: sizes[rank]], targets,  # noqa: E731
+                                                      process_group=dist.group.WORLD)
+            if len(set(sizes)) > 1:
+                with pytest.raises(ValueError, match="equal sizes"):
+                    call()
+            else:
+                assert torch.isfinite(call())
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _exit_cleanly()
+
+
+def test_shard_sizes_changing_between_calls_raise_on_every_rank_and_never_hang():
+    _spawn(_size_sequence_worker, 2)
+
+
+def _group_type_worker(rank, world, port):
+    _init(rank, world, port, timeout_s=60)
+    try:
+        hidden, weight, _, targets = make_inputs(Case(5, 16, 30), device="cpu")
+        for wrong in ("world", dist.group, 0):
+            with pytest.raises(TypeError, match="ProcessGroup"):
+                fused_linear_cross_entropy(hidden, weight, targets, process_group=wrong)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _exit_cleanly()
+
+
+def test_a_wrong_typed_process_group_raises_a_clear_error():
+    _spawn(_group_type_worker, 2)
+
+
+def _dtensor_worker(rank, world, port):
+    """A vocabulary-sharded DTensor weight (as FSDP2 or tensor parallelism hold it): refused with a
+    message naming what to pass, and what it names (the local shard and the mesh's group) gives the
+    full-vocabulary result."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init(rank, world, port, timeout_s=60)
+    try:
+        hidden, weight, _, targets = make_inputs(Case(6, 16, 40), device="cpu")
+        mesh = init_device_mesh("cpu", (world,))
+        sharded = distribute_tensor(weight, mesh, [Shard(0)])
+        with pytest.raises(TypeError, match=r"weight is a DTensor.*to_local\(\).*process_group=mesh.get_group"):
+            fused_linear_cross_entropy(hidden, sharded, targets)
+        with pytest.raises(TypeError, match="hidden is a DTensor"):
+            fused_linear_cross_entropy(distribute_tensor(hidden, mesh, [Shard(0)]), weight, targets)
+        got = fused_linear_cross_entropy(hidden, sharded.to_local(), targets, process_group=mesh.get_group())
+        want = fused_linear_cross_entropy(hidden, weight, targets)
+        assert rel_err(got, want) < 1e-6
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _exit_cleanly()
+
+
+def test_dtensor_inputs_raise_with_what_to_pass_and_that_works():
+    _spawn(_dtensor_worker, 2)
 
 
 def check_data_parallel_example(mode, device):
