@@ -88,3 +88,64 @@ def test_kernelize_swaps_in_the_fused_layer_from_a_local_repository():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     got.backward()
     assert hidden.grad is not None and weight.grad is not None
+
+
+def test_gemma2_softcap_reaches_the_fused_loss():
+    """Gemma-2 caps its logits (``final_logit_softcapping``) before its loss; passed as transformers
+    names it, the fused loss applies it and equals the model's own loss and gradients."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, final_logit_softcapping=2.0,
+    )
+    torch.manual_seed(0)
+    theirs = transformers.Gemma2ForCausalLM(config).to(DEVICE).float()
+    with torch.no_grad():  # logits of a trained model's spread (std ~10), where a cap of 2 matters
+        theirs.lm_head.weight.mul_(60.0)
+    ours = copy.deepcopy(theirs)
+    ids, labels = _batch()
+    want = theirs(input_ids=ids, labels=labels).loss
+    want.backward()
+    hidden = ours.model(input_ids=ids).last_hidden_state
+    got = ForCausalLMLoss(None, labels, VOCAB, hidden_states=hidden, lm_head_weight=ours.lm_head.weight,
+                          final_logit_softcapping=config.final_logit_softcapping)
+    uncapped = ForCausalLMLoss(None, labels, VOCAB, hidden_states=hidden.detach(), lm_head_weight=ours.lm_head.weight)
+    assert abs(uncapped.item() - want.item()) > 0.1  # the cap matters at this size
+    got.backward()
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
+        if p.grad is not None:
+            assert rel_err(q.grad, p.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("kwargs", [{"logit_scale": 0.25}, {"logits_scaling": 4.0},
+                                    {"logit_scale": 2.0, "logits_scaling": 8.0, "final_logit_softcapping": 3.0}],
+                         ids=["cohere-scale", "granite-scaling", "all"])
+def test_logit_transforms_are_applied_on_the_fused_path(kwargs):
+    """The config's logit multipliers as the models apply them to their logits: ``* logit_scale``
+    (Cohere), ``/ logits_scaling`` (Granite), then the softcap; the logits path takes them as
+    already applied, as transformers does."""
+    _, labels = _batch()
+    hidden = torch.randn(2, 12, 64, device=DEVICE)
+    weight = torch.randn(VOCAB, 64, device=DEVICE) * 0.3
+    logits = hidden @ weight.T * kwargs.get("logit_scale", 1.0) / kwargs.get("logits_scaling", 1.0)
+    if "final_logit_softcapping" in kwargs:
+        cap = kwargs["final_logit_softcapping"]
+        logits = cap * torch.tanh(logits / cap)
+    want = ForCausalLMLoss(logits, labels, VOCAB, **kwargs)
+    got = ForCausalLMLoss(None, labels, VOCAB, hidden_states=hidden, lm_head_weight=weight, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_keyword_arguments_raise_and_pass_through_ones_do_not():
+    """transformers passes its TransformersKwargs (attention and output switches) to every loss
+    function; those change nothing. Anything else would be silently dropped, so it raises."""
+    _, labels = _batch()
+    hidden = torch.randn(2, 12, 64, device=DEVICE)
+    weight = torch.randn(VOCAB, 64, device=DEVICE)
+    plain = ForCausalLMLoss(None, labels, VOCAB, hidden_states=hidden, lm_head_weight=weight)
+    passed = ForCausalLMLoss(None, labels, VOCAB, hidden_states=hidden, lm_head_weight=weight,
+                             output_attentions=False, position_ids=torch.arange(12), cu_seq_lens_q=None)
+    assert torch.equal(plain, passed)
+    for logits, extra in ((None, dict(hidden_states=hidden, lm_head_weight=weight)), (hidden @ weight.T, {})):
+        with pytest.raises(TypeError, match="final_logits_softcap"):
+            ForCausalLMLoss(logits, labels, VOCAB, final_logits_softcap=30.0, **extra)
