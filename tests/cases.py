@@ -32,7 +32,7 @@ class Case:
     ignore_index: int = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-    class_weight: bool = False
+    class_weight: bool | str = False  # True: positive weights; "signed": any sign
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -56,7 +56,9 @@ class Case:
         if self.z_loss:
             parts.append(f"z{self.z_loss}")
         if self.class_weight:
-            parts.append("cw")
+            parts.append("cw" if self.class_weight is True else f"cw-{self.class_weight}")
+        if "targets_dtype" in self.extra:
+            parts.append(str(self.extra["targets_dtype"]).replace("torch.", ""))
         if "strategy" in self.extra:
             parts.append(self.extra["strategy"])
         return "-".join(parts)
@@ -79,10 +81,13 @@ def make_inputs(case: Case, device=DEVICE):
 
 
 def class_weights(case: Case, device=DEVICE):
-    """(V,) fp32 weights in [0.25, 2.25) when the case asks for them, else None."""
+    """(V,) fp32 weights when the case asks for them, else None: in [0.25, 2.25), or with
+    ``class_weight="signed"`` standard normal, of any sign (as PyTorch's own OpInfo samples draw them)."""
     if not case.class_weight:
         return None
     g = torch.Generator().manual_seed(case.seed + 2)
+    if case.class_weight == "signed":
+        return torch.randn(case.v, generator=g).to(device)
     return (torch.rand(case.v, generator=g) * 2.0 + 0.25).to(device)
 
 
@@ -109,8 +114,10 @@ def run(fn, case: Case, hidden, weight, bias, targets, **kwargs):
 
 
 def ours(case: Case, hidden, weight, bias, targets, **kwargs):
-    """Our loss and gradients; ``case.extra`` (e.g. ``strategy``) and ``kwargs`` go to the call."""
+    """Our loss and gradients; ``case.extra`` (e.g. ``strategy``) and ``kwargs`` go to the call, but
+    ``targets_dtype`` (e.g. int32), which the targets are cast to for our call only."""
     kwargs = dict(case.extra, **kwargs)
+    targets = targets.to(kwargs.pop("targets_dtype", targets.dtype))
     return run(fused_linear_cross_entropy, case, hidden, weight, bias, targets, chunk_bytes=case.chunk_bytes, **kwargs)
 
 
