@@ -5,7 +5,7 @@ import torch
 from dataclasses import replace
 
 from . import ops, parallel
-from .validate import Options, check_inputs
+from .validate import Options, check_flag, check_inputs, check_process_group
 
 
 def _autocast(hidden, weight, bias):
@@ -138,10 +138,13 @@ def fused_linear_cross_entropy(
         strategy=strategy,
     )
     hidden, weight, bias = _autocast(hidden, weight, bias)
+    check_flag("shift", shift)
     check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch)
     if process_group is not None:
-        parallel.check_equal_shards(process_group, weight.shape[0])
+        check_process_group(process_group)
     lead = targets.shape
+    # int32 targets are compared with ignore_index (any int64) and class ids in int64: an O(N) copy.
+    targets = targets.to(torch.int64)
     if shift and targets.ndim > 0 and targets.shape[-1] > 0:
         targets = _shift(targets, ignore_index)
     if class_weight is not None:
@@ -154,7 +157,7 @@ def fused_linear_cross_entropy(
         else:  # a fill, not a host-to-device copy: no sync, and CUDA-graph capturable
             divisor = torch.full((), float(num_items_in_batch), device=hidden.device)
     loss, sums, lse, *_ = ops.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts, process_group,
+        hidden.reshape(targets.numel(), hidden.shape[-1]), weight, bias, targets.reshape(-1), class_weight, opts, process_group,
         divisor,
     )
     if reduction == "none":

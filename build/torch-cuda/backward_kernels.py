@@ -8,7 +8,7 @@ then runs ``grad_hidden = da @ weight`` and ``grad_weight (+)= da^T @ hidden`` w
 import triton
 import triton.language as tl
 
-from .logits import grouped_tile, label_terms, logit_tile, round_to, store_dlogits
+from .logits import grouped_tile, label_terms, logit_tile, round_to, softcap_grad, store_dlogits
 
 
 @triton.jit
@@ -102,8 +102,7 @@ def dlogits_kernel(
     d -= tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], coef_b[:, None], 0.0)
     d = label_terms(d, coef_b, coef_ptr + 2 * N + rows, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
     if HAS_SOFTCAP:
-        tc = z / softcap
-        d = d * (1.0 - tc * tc)
+        d = d * softcap_grad(z, softcap)
     d = d * logit_scale
 
     mask = mask_n[:, None] & mask_v[None, :]

@@ -9,13 +9,9 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
 3. ``softmax_gradient_kernel`` turns the buffer into da in place (the input dtype);
 4. grad_hidden[rows] = da @ weight and grad_weight (+)= da^T @ hidden[rows], fp32 accumulation
    (``products``). The common factor (1 / sum of target weights for "mean") is not in da: the
-   Triton matmul applies it in its epilogue, one rounding (fp16 with the power of two that keeps da
-   out of the subnormals, fp32, and bf16 where the matmul loads through TMA: ``products.rounds_once``).
-   Elsewhere bf16 products run on cuBLAS and are then scaled in place (two independent roundings,
-   the second exact when the factor is a power of two). The target coefficient B (1 - eps, a class
-   weight) leaves da as on the recompute path (``losses.normalize``), after cuBLAS only where that
-   adds no rounding (``losses.normalize_if_free``); elsewhere, where it is one value inexact in bf16
-   on every row, its rounding repeats.
+   products apply it in fp32 before their one rounding (fp16 with the power of two that keeps da
+   out of the subnormals). The target coefficient B (1 - eps, a class weight) leaves da as on the
+   recompute path (``losses.normalize``).
 
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). Sums across chunks
 go through an fp32 buffer (grad_weight: V x H when there is more than one chunk), as in the
@@ -102,14 +98,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)
-        # B (1 - eps, a class weight) leaves da as on the recompute path where the products apply
-        # the factor in their epilogue (one rounding); after cuBLAS only where that adds no
-        # rounding: moving its mantissa into an exact factor costs more than it saves there (label
-        # smoothing 0.1: 1.47x against 1.29x one rounding).
-        if products.rounds_once(e, weight) and products.rounds_once(e.t(), hidden[sl]):
-            coef, chunk_common = losses.normalize(coef, common)
-        else:
-            coef, chunk_common = losses.normalize_if_free(coef, common)
+        # B (1 - eps, a class weight) leaves da as on the recompute path: the products apply the
+        # factor in their epilogue, one rounding.
+        coef, chunk_common = losses.normalize(coef, common)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
             coef, chunk_unscale = launch.lift_fp16(coef, chunk_unscale, class_weight, opts.logit_scale)
@@ -125,9 +116,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             num_warps=8 if not configs.interpreted() else 1,
         )
         if need_dx:
-            products.product(da, weight, dx_acc[sl], False, chunk_unscale, scale_after=True)
+            products.product(da, weight, dx_acc[sl], False, chunk_unscale)
         if need_dw:
-            products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale, scale_after=True)
+            products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
         if need_db:
             launch.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 

@@ -11,7 +11,7 @@ tile also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its ch
 import triton
 import triton.language as tl
 
-from .logits import grouped_tile, logit_tile, round_to
+from .logits import grouped_tile, logit_tile, round_to, softcap_grad
 
 # Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
 # STAT_WZ is sum_v w[v] z[v] (w = class weights, or 1), which label smoothing needs.
@@ -134,8 +134,7 @@ def lse_sweep_kernel(
             if STORE_E:  # one tile per split (the host guarantees it): m_new is this tile's max
                 e_out = e
                 if HAS_SOFTCAP:
-                    tc = z / softcap
-                    e_out = tl.where(mask_v[None, :], e * (1.0 - tc * tc), 0.0)
+                    e_out = tl.where(mask_v[None, :], e * softcap_grad(z, softcap), 0.0)
                 if E_TMA:  # rows and classes past the end are not written
                     e_desc.store([pid_n * BLOCK_N, vt * BLOCK_V],
                                  round_to(e_out, e_desc.dtype, EMULATE_ROUNDING))

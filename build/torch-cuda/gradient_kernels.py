@@ -18,7 +18,7 @@ fp16: subnormal below 6e-5 of the tile max, an absolute error under 3e-8 of the 
 import triton
 import triton.language as tl
 
-from .logits import label_terms, round_to, store_dlogits
+from .logits import label_terms, round_to, softcap_grad, store_dlogits
 
 
 @triton.jit
@@ -80,8 +80,7 @@ def softmax_gradient_kernel(
     p_t = tl.exp((z_t - row_max) - log_sum)
     d_t = coef_a * p_t - coef_b
     if HAS_SOFTCAP:
-        tc = z_t / softcap
-        d_t = d_t * (1.0 - tc * tc)
+        d_t = d_t * softcap_grad(z_t, softcap)
     is_target = offs_v[None, :] + vocab_offset == target[:, None]
     d = tl.where(is_target, d_t[:, None], d)
     # Smoothing never comes with a softcap on this path (the host routes that to the recompute path).

@@ -30,12 +30,39 @@ import triton
 import triton.language as tl
 
 
+# Below this |x|, tanh is its odd Taylor polynomial through x^11 (the next term, 21844/6081075 x^13,
+# is under 2^-27 of tanh there); above it, the exp form, whose 1 - exp(-2|x|) cancels less than one
+# bit from here on. The exp form alone loses all of tanh's relative precision as x -> 0: a large
+# softcap (x = u / c tiny) must still give z = u.
+TANH_SERIES_BELOW = tl.constexpr(0.35)
+
+
 @triton.jit
 def tanh(x):
-    """tanh from exp, stable at both tails (no libdevice, so the interpreter runs it too)."""
-    t = tl.exp(-2.0 * tl.abs(x))
+    """tanh to a few fp32 ulps at every |x| (no libdevice, so the interpreter runs it too): the
+    Taylor polynomial near 0 (exact as x -> 0, where the exp form cancels to nothing), the exp form,
+    stable at both tails, elsewhere."""
+    ax = tl.abs(x)
+    t = tl.exp(-2.0 * ax)
     y = (1.0 - t) / (1.0 + t)
-    return tl.where(x >= 0, y, -y)
+    y = tl.where(x >= 0, y, -y)
+    x2 = x * x
+    p = 1382.0 / 155925.0
+    p = p * x2 - 62.0 / 2835.0
+    p = p * x2 + 17.0 / 315.0
+    p = p * x2 - 2.0 / 15.0
+    p = p * x2 + 1.0 / 3.0
+    series = x - x * x2 * p
+    return tl.where(ax < TANH_SERIES_BELOW, series, y)
+
+
+@triton.jit
+def softcap_grad(z, softcap):
+    """dz/du of ``z = c tanh(u / c)`` from z: ``1 - (z / c)^2``, as ``(1 - t)(1 + t)``, whose
+    factors are exact near |t| = 1 (where the softcap saturates and ``1 - t * t`` would add the
+    rounding of ``t * t`` to a tiny result)."""
+    t = z / softcap
+    return (1.0 - t) * (1.0 + t)
 
 
 @triton.jit

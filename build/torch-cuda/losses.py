@@ -127,7 +127,9 @@ def upstream(grad_loss, grad_lse, weights: TargetWeights, opts: Options):
         if opts.reduction != "mean":
             return one, one, g
         denominator = w_t.sum()
-        common = torch.where(denominator > 0, g / denominator, zero)  # no counted row: zero gradients
+        # F.cross_entropy's weighted mean divides by the sum whatever its sign (a zero sum gives
+        # non-finite gradients, as there); no counted row at all: zero gradients.
+        common = torch.where(counted.any(), g / denominator, zero)
         return one, denominator / counted.sum(), common  # z-loss's mean is over rows, not weights
     if opts.reduction == "mean":  # a returned lse's gradient is per row: no common factor
         return g / w_t.sum(), g / counted.sum(), None
@@ -179,24 +181,6 @@ def normalize(coef: torch.Tensor, common):
     largest = torch.where(torch.isfinite(b), b, torch.zeros_like(b)).amax()
     s = torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
     return coef / s, s if common is None else common * s
-
-
-def _power_of_two(x: torch.Tensor) -> torch.Tensor:
-    """Whether the fp32 scalar ``x`` is a normal +-2^k (multiplying by it rounds nothing short of
-    the subnormals): no mantissa bits, an exponent field neither 0 nor 255. 0-d bool tensor."""
-    bits = x.to(torch.float32).reshape(1).view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    return (((bits & 0x7FFFFF) == 0) & (exponent > 0) & (exponent < 255)).reshape(())
-
-
-def normalize_if_free(coef: torch.Tensor, common: torch.Tensor):
-    """``normalize``, where the factor is scaled in after a rounded product (the chunked path's
-    cuBLAS products) and so costs a rounding unless it is a power of two: taken when that adds no
-    rounding (the normalised factor is a power of two, or the factor was not one already), else
-    (coef, common) unchanged. Decided on the device, no host sync."""
-    coef_n, common_n = normalize(coef, common)
-    take = _power_of_two(common_n) | ~_power_of_two(common)
-    return torch.where(take, coef_n, coef), torch.where(take, common_n, common)
 
 
 def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):

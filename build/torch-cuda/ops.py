@@ -7,6 +7,7 @@ process. Options travel as scalar arguments; the per-row loss arithmetic (``loss
 inside the ops, so their outputs are the final loss, metrics and lse.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -17,20 +18,39 @@ from .validate import Options
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
 
 
-def _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
+def scalars(opts: Options) -> torch.Tensor:
+    """The float options as one CPU float64 tensor (4,): logit_scale, softcap (NaN for none),
+    label_smoothing, z_loss. A custom op's ``float`` argument makes ``torch.compile`` specialise on
+    its value (a recompile per temperature of a schedule); a tensor argument does not, and its
+    values are read inside the op on the host (a CPU tensor: no device sync)."""
+    cap = opts.softcap if opts.softcap is not None else math.nan
+    values = (opts.logit_scale, cap, opts.label_smoothing, opts.z_loss)
+    if not torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float64)
+    # Traced: arithmetic on the (possibly symbolic) floats keeps them graph inputs.
+    one = torch.ones((), dtype=torch.float64)
+    return torch.stack([one * x for x in values])
+
+
+def _options(scalars_: Optional[torch.Tensor], ignore_index, has_softcap, reduction, return_metrics, smoothing,
              return_lse, chunk_bytes, strategy="recompute") -> Options:
-    return Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction=reduction,
-                   return_metrics=return_metrics, label_smoothing=label_smoothing, z_loss=z_loss,
-                   return_lse=return_lse, chunk_bytes=chunk_bytes, strategy=strategy)
+    """The Options inside an op. ``scalars_`` None (a fake implementation, which cannot read values):
+    placeholders that keep only what decides shapes and the path (a softcap or not, smoothing or not)."""
+    if scalars_ is None:
+        logit_scale, softcap, label_smoothing, z_loss = 1.0, 1.0, 0.5 if smoothing else 0.0, 0.0
+    else:
+        logit_scale, softcap, label_smoothing, z_loss = scalars_.tolist()
+    return Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap if has_softcap else None,
+                   reduction=reduction, return_metrics=return_metrics, label_smoothing=label_smoothing,
+                   z_loss=z_loss, return_lse=return_lse, chunk_bytes=chunk_bytes, strategy=strategy)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
 def forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    class_weight: Optional[torch.Tensor], divisor: Optional[torch.Tensor], ignore_index: int, logit_scale: float,
-    softcap: Optional[float], reduction: str, return_metrics: bool, label_smoothing: float, z_loss: float,
-    return_lse: bool, chunk_bytes: Optional[int], strategy: str, group_id: int, need_dx: bool, need_dw: bool,
-    need_db: bool,
+    class_weight: Optional[torch.Tensor], divisor: Optional[torch.Tensor], scalars: torch.Tensor, ignore_index: int,
+    has_softcap: bool, reduction: str, return_metrics: bool, smoothing: bool, return_lse: bool,
+    chunk_bytes: Optional[int], strategy: str, group_id: int, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, metric sums, lse, lse2, grad_hidden, grad_weight, grad_bias): metric sums is (3,)
     [correct, entropy, counted rows] or (0,); lse2 (2, N) is the lse as row max and log-sum, which
@@ -38,10 +58,13 @@ def forward(
     the chunked path runs (``chunked.use``), else empty (0,). ``divisor`` (fp32 0-d, with "sum"):
     the loss is the sum over it (``num_items_in_batch``), inside the op so that the chunked path
     applies it with the rest of the common factor to its products (``products.product``).
-    ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none."""
-    opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
-                    return_lse, chunk_bytes, strategy)
+    ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none.
+    ``scalars``: the float options (``scalars``); ``has_softcap`` and ``smoothing`` say whether a
+    softcap and label smoothing are on, which the fake implementation needs to pick the path."""
+    opts = _options(scalars, ignore_index, has_softcap, reduction, return_metrics, smoothing, return_lse,
+                    chunk_bytes, strategy)
     shard = parallel.shard_for(group_id, weight.shape[0])
+    sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
     needs = (need_dx, need_dw, need_db)
     grads = [None] * 3
     if chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs):
@@ -54,18 +77,19 @@ def forward(
     if divisor is not None:
         loss = loss / divisor
     sums = losses.metric_sums(stats, targets, weights) if return_metrics else loss.new_empty((0,))
+    if sizes is not None:
+        parallel.finish_size_check(sizes, shard)
     return (loss, sums, stats.lse, stats.lse2, *grads)
 
 
 @forward.register_fake
-def _(hidden, weight, bias, targets, class_weight, divisor, ignore_index, logit_scale, softcap, reduction,
-      return_metrics, label_smoothing, z_loss, return_lse, chunk_bytes, strategy, group_id, need_dx, need_dw,
-      need_db):
+def _(hidden, weight, bias, targets, class_weight, divisor, scalars_, ignore_index, has_softcap, reduction,
+      return_metrics, smoothing, return_lse, chunk_bytes, strategy, group_id, need_dx, need_dw, need_db):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     sums = hidden.new_empty((3,) if return_metrics else (0,), dtype=torch.float32)
-    opts = _options(ignore_index, logit_scale, softcap, reduction, return_metrics, label_smoothing, z_loss,
-                    return_lse, chunk_bytes, strategy)
+    opts = _options(None, ignore_index, has_softcap, reduction, return_metrics, smoothing, return_lse, chunk_bytes,
+                    strategy)
     needs = (need_dx, need_dw, need_db)
     use = chunked.use(opts, n, weight.shape[0], hidden.dtype, needs)
     unit = chunked.unit_dtype(hidden.dtype)
@@ -82,13 +106,11 @@ def _(hidden, weight, bias, targets, class_weight, divisor, ignore_index, logit_
 def backward(
     grad_loss: torch.Tensor, grad_lse: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, class_weight: Optional[torch.Tensor],
-    lse2: torch.Tensor, ignore_index: int, logit_scale: float, softcap: Optional[float], reduction: str,
-    label_smoothing: float, z_loss: float, chunk_bytes: Optional[int], group_id: int, need_dx: bool,
-    need_dw: bool, need_db: bool,
+    lse2: torch.Tensor, scalars: torch.Tensor, ignore_index: int, has_softcap: bool, reduction: str,
+    chunk_bytes: Optional[int], group_id: int, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed."""
-    opts = _options(ignore_index, logit_scale, softcap, reduction, False, label_smoothing, z_loss,
-                    grad_lse is not None, chunk_bytes)
+    opts = _options(scalars, ignore_index, has_softcap, reduction, False, False, grad_lse is not None, chunk_bytes)
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
@@ -98,8 +120,8 @@ def backward(
 
 
 @backward.register_fake
-def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, ignore_index, logit_scale,
-      softcap, reduction, label_smoothing, z_loss, chunk_bytes, group_id, need_dx, need_dw, need_db):
+def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, scalars_, ignore_index, has_softcap,
+      reduction, chunk_bytes, group_id, need_dx, need_dw, need_db):
     empty = hidden.new_empty((0,))
     return (
         hidden.new_empty(hidden.shape) if need_dx else empty,
@@ -108,24 +130,27 @@ def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, ig
     )
 
 
-_OPTION_NAMES = ("ignore_index", "logit_scale", "softcap", "reduction", "return_metrics", "label_smoothing",
-                 "z_loss", "return_lse", "chunk_bytes", "strategy", "group_id", "need_dx", "need_dw", "need_db")
+_OPTION_NAMES = ("ignore_index", "has_softcap", "reduction", "return_metrics", "smoothing", "return_lse",
+                 "chunk_bytes", "strategy", "group_id", "need_dx", "need_dw", "need_db")
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, targets, class_weight, divisor, *options = inputs
+    hidden, weight, bias, targets, class_weight, divisor, scalars_, *options = inputs
     ctx.options = dict(zip(_OPTION_NAMES, options))
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     o = ctx.options
-    opts = _options(o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["return_metrics"],
-                    o["label_smoothing"], o["z_loss"], o["return_lse"], o["chunk_bytes"], o["strategy"])
+    opts = _options(None, o["ignore_index"], o["has_softcap"], o["reduction"], o["return_metrics"], o["smoothing"],
+                    o["return_lse"], o["chunk_bytes"], o["strategy"])
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])  # what the forward op was told
+    # The loss and the lse carry gradients; the metric sums (argmax and entropy counts, forward-only
+    # statistics) and the internal outputs do not, and autograd says so (requires_grad=False).
+    ctx.mark_non_differentiable(output[1], output[3], *output[4:])
     ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, ctx.computed)
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
     else:
-        ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor)
+        ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor, scalars_)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::scale_gradients", mutates_args=())
@@ -161,16 +186,15 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
                                "computed, so the chunked path computed no gradient for them")
         dx, dw, db = scale_gradients(*ctx.saved_tensors, grad_loss, *ctx.dtypes)
     else:
-        hidden, weight, bias, targets, class_weight, lse2, divisor = ctx.saved_tensors
+        hidden, weight, bias, targets, class_weight, lse2, divisor, scalars_ = ctx.saved_tensors
         if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient
             grad_loss = grad_loss / divisor
         dx, dw, db = backward(
             grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse2,
-            o["ignore_index"], o["logit_scale"], o["softcap"], o["reduction"], o["label_smoothing"], o["z_loss"],
-            o["chunk_bytes"], o["group_id"], *ctx.needs,
+            scalars_, o["ignore_index"], o["has_softcap"], o["reduction"], o["chunk_bytes"], o["group_id"], *ctx.needs,
         )
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-            None, None, None) + (None,) * len(_OPTION_NAMES)
+            None, None, None, None) + (None,) * len(_OPTION_NAMES)
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -182,5 +206,6 @@ def apply(hidden, weight, bias, targets, class_weight, opts: Options, group=None
     group_id = parallel.register(group) if group is not None else 0
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    options = [getattr(opts, k) for k in _OPTION_NAMES[:-4]] + [group_id] + needs
-    return forward(hidden, weight, bias, targets, class_weight, divisor, *options)
+    options = [opts.ignore_index, opts.softcap is not None, opts.reduction, opts.return_metrics,
+               opts.label_smoothing > 0, opts.return_lse, opts.chunk_bytes, opts.strategy, group_id, *needs]
+    return forward(hidden, weight, bias, targets, class_weight, divisor, scalars(opts), *options)

@@ -11,7 +11,6 @@ shard's; the partial grad_hidden (da_r @ weight_r) is all-reduced in fp32 here, 
 the full grad_hidden: do not reduce it again.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,17 +49,25 @@ def shard_for(group_id: int, v_local: int) -> Shard | None:
     return Shard(group, dist.get_rank(group), dist.get_world_size(group), v_local)
 
 
-@functools.lru_cache(maxsize=None)
-def _sizes_checked(group_id: int, v_local: int) -> None:
-    sizes = [None] * dist.get_world_size(_GROUPS[group_id])
-    dist.all_gather_object(sizes, v_local, group=_GROUPS[group_id])
-    if len(set(sizes)) != 1:
-        raise ValueError(f"vocabulary shards must have equal sizes across the process group, got {sizes}")
+def start_size_check(shard: Shard, device) -> torch.Tensor:
+    """The first collective of every vocabulary-parallel forward: the largest and the negated
+    smallest shard size over the group (one all-reduce of two integers). Every rank takes it on
+    every call, whatever its size, so ranks with unequal shards never wait in different
+    collectives; ``finish_size_check`` reads it once the forward's work is queued."""
+    sizes = torch.tensor([shard.v_local, -shard.v_local], dtype=torch.int64, device=device)
+    return all_reduce(sizes, shard, dist.ReduceOp.MAX)
 
 
-def check_equal_shards(group, v_local: int) -> None:
-    """Raises unless every rank holds the same number of vocabulary rows (checked once per size)."""
-    _sizes_checked(register(group), v_local)
+def finish_size_check(sizes: torch.Tensor, shard: Shard) -> None:
+    """Raises on every rank unless every rank holds the same number of vocabulary rows. The one host
+    read of the vocabulary-parallel path, taken after the forward's kernels and collectives are
+    queued (the ranks' statistics were all-reduced with the same shapes: they depend on N only)."""
+    largest, smallest = sizes[0].item(), -sizes[1].item()
+    if largest != smallest:
+        raise ValueError(
+            f"vocabulary shards must have equal sizes across the process group: this rank holds "
+            f"{shard.v_local} rows, the group's shards range from {smallest} to {largest}"
+        )
 
 
 def all_reduce(t: torch.Tensor, shard: Shard, op=dist.ReduceOp.SUM) -> torch.Tensor:

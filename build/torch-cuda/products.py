@@ -1,26 +1,27 @@
 """The gradient products, and who runs each: every product's K reduction is summed in fp32, whatever
-runs it, and a 16-bit result is rounded once (twice where the chunked path scales it after cuBLAS,
-on GPUs or layouts without TMA: ``product``).
+runs it, and a 16-bit result is rounded once.
 
-- ``direct``: out = a @ b, a 16-bit result written straight into a gradient, nothing added or
-  scaled. bf16 goes to cuBLAS (``torch.mm``) with its reduced-precision reductions turned off for
-  the call (``full_precision_reductions``), so a split-K partial sum is never rounded to bf16.
-  fp16 (whose da carries a power-of-two lift the products undo) and fp32 (where cuBLAS would follow
-  the user's TF32 switch) go to ``matmul``.
-- ``product``: ``direct`` where it applies (optionally followed by an in-place ``scale``), else
-  ``matmul``.
-- ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``).
-- ``rows_product``: a block of whole vocabulary rows' grad_hidden (a long V reduction that cuBLAS
-  splits across the GPU), scaled once.
-- ``matmul``: the package's Triton matmul, c (+)= (a @ b) [* unscale], for every other case;
-  TMA loads where the GPU and the layouts allow (cuBLAS's rate on the H200), else pointer loads.
+- ``matmul``: the package's Triton matmul, c (+)= (a @ b) [* unscale], fp32 accumulation and the
+  factor applied in its epilogue before the one rounding; TMA loads where the GPU and the layouts
+  allow (cuBLAS's rate on the H200), else pointer loads. Every product into a 16-bit gradient runs
+  here, except those with ``few_tiles``.
+- ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``),
+  whose split-K partial sums are fp32 whatever torch's reduced-precision-reduction flags say (they
+  only allow reductions in a 16-bit output type).
+- ``product``: out (+)= (a @ b) [* unscale]: ``matmul``, or, for a 16-bit result with
+  ``few_tiles``, cuBLAS with an fp32 result and one ``scale`` (cuBLAS splits the long K reduction
+  across the GPU, which one program per output tile cannot).
+- ``direct``: ``product`` with nothing added or scaled.
+- ``rows_product``: a block of whole vocabulary rows' grad_hidden (few rows, a long V reduction):
+  cuBLAS with an fp32 result, scaled once.
 - ``scale``: src * g, fp32 arithmetic, one rounding.
 
-Off the GPU the cuBLAS calls become products of the upcast operands (exact), summed in fp32 and
-rounded once: what the GPU computes, up to the order of the sums.
+No product touches process-wide state: cuBLAS never writes a 16-bit result here, so torch's
+``allow_bf16/fp16_reduced_precision_reduction`` flags (global, and racy to save, set and restore
+around a call when threads share the process) need not change. Off the GPU the cuBLAS calls become
+products of the upcast operands (exact), summed in fp32: what the GPU computes, up to the order of
+the sums.
 """
-
-from contextlib import contextmanager
 
 import torch
 import triton
@@ -38,21 +39,6 @@ def dot_flags(dtype: torch.dtype) -> dict:
         BF16_EMULATION=configs.interpreted() and dtype == torch.bfloat16,
         INPUT_PRECISION=configs.input_precision(dtype),
     )
-
-
-@contextmanager
-def full_precision_reductions():
-    """cuBLAS may not round split-K partial sums to the 16-bit output type inside this block
-    (torch's allow_*_reduced_precision_reduction, True by default); the user's settings come back
-    after it."""
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False
-    flags.allow_fp16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
 def _transposed(t: torch.Tensor):
@@ -92,15 +78,6 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     return 2 * tiles < configs.sm_count(a.device)
 
 
-def rounds_once(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``product(a, b, out, False, factor, scale_after=True)`` into a 16-bit ``out`` rounds
-    once rather than twice (cuBLAS, then ``scale``): fp16 and fp32 always go to the matmul (the
-    factor in its epilogue); bf16 where the matmul loads through TMA, as fast as cuBLAS there (NOTES
-    v12), or where its output has ``few_tiles`` (cuBLAS with an fp32 result, then one rounding)."""
-    return (a.dtype != torch.bfloat16 or few_tiles(a, b)
-            or _tma_layouts(a, b, configs.matmul_config(a.dtype)) is not None)
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
     """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
     strides; ``unscale`` an optional fp32 (1,) device tensor. The operands load through TMA
@@ -128,48 +105,28 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
 
 
 def direct(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = a @ b in the operands' dtype, fp32 accumulation, one rounding; the runner as the module
-    docstring says. Returns ``out``."""
-    if a.dtype != torch.bfloat16:
-        matmul(a, b, out, False)
-        return out
-    with full_precision_reductions():
-        if a.device.type == "cuda":
-            torch.mm(a, b, out=out)
-        else:
-            out.copy_(torch.mm(a.float(), b.float()))
+    """out = a @ b in ``out``'s dtype, fp32 accumulation, one rounding (``product``). Returns ``out``."""
+    product(a, b, out, False)
     return out
 
 
-def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None, *,
-            scale_after: bool = False) -> None:
-    """out (+)= (a @ b) [* unscale]: ``direct`` when the result goes straight into ``out`` in the
-    operands' dtype and nothing scales it, else ``matmul`` (the factor applied in fp32 before the
-    one rounding). A bf16 result with a factor whose output has ``few_tiles`` goes to cuBLAS with
-    an fp32 result (which splits the long K reduction across the GPU) and one ``scale``: one
-    rounding, and an fp32 (M, P) buffer while it runs: under half the SMs' worth of 128 x 256
-    tiles, 8.25 MiB on an H200 (outside ``chunk_bytes``, like the O(N) statistics).
-    With ``scale_after``, where the matmul would load through pointers (``rounds_once`` is False),
-    a bf16 result with a factor also goes to ``direct`` and is then scaled in place: rounded twice,
-    by cuBLAS and by ``scale``, each element independently (the chunked path's speed for half an
-    ulp more; exact when the factor is a power of two).
+def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:
+    """out (+)= (a @ b) [* unscale], the factor applied in fp32 before the one rounding: ``matmul``,
+    or for a 16-bit result whose output has ``few_tiles``, cuBLAS with an fp32 result and one
+    ``scale``: an fp32 (M, P) buffer while it runs, under half the SMs' worth of 128 x 256 tiles
+    (8.25 MiB on an H200; outside ``chunk_bytes``, like the O(N) statistics).
 
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
     relative error repeated across the batch (tests/test_rounding.py)."""
-    into_gradient = not accumulate and out.dtype == a.dtype
-    if into_gradient and unscale is not None and a.dtype == torch.bfloat16 and few_tiles(a, b):
+    if not accumulate and out.dtype != torch.float32 and few_tiles(a, b):
         _fp32_then_scale(a, b, out, unscale)
-    elif into_gradient and (unscale is None or (scale_after and not rounds_once(a, b))):
-        direct(a, b, out)
-        if unscale is not None:
-            scale(out, unscale, out=out)
     else:
         matmul(a, b, out, accumulate, unscale)
 
 
 def _fp32_then_scale(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, unscale) -> None:
-    """out = (a @ b) * unscale: cuBLAS with an fp32 result (``accumulate``), then one ``scale``."""
+    """out = (a @ b) [* unscale]: cuBLAS with an fp32 result (``accumulate``), then one ``scale``."""
     result = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
     accumulate(a, b, result, True)
     scale(result, unscale if unscale is not None else torch.ones((1,), device=a.device), out=out)
@@ -182,22 +139,17 @@ def accumulate(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor, first: bool)
     if a.device.type != "cuda":
         a, b = a.float(), b.float()
     kwargs = dict(out_dtype=torch.float32) if a.device.type == "cuda" else {}
-    with full_precision_reductions():
-        if first:
-            torch.mm(a, b, out=acc, **kwargs)
-        else:
-            torch.addmm(acc, a, b, out=acc, **kwargs)
+    if first:
+        torch.mm(a, b, out=acc, **kwargs)
+    else:
+        torch.addmm(acc, a, b, out=acc, **kwargs)
 
 
 def rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unscale) -> None:
     """out = (da @ weight) [* unscale] for a block of whole vocabulary rows (the two-pass plan's
     first pass), whose long V reduction cuBLAS splits across the GPU (a block of few rows has too
-    few output tiles for ``matmul``). Without ``unscale``: ``direct``, where bf16 takes cuBLAS.
-    Otherwise cuBLAS with an fp32 result, then one scaling kernel, one rounding; the fp32 (rows, H)
-    result is small next to the da block (H / V of it, times 2)."""
-    if unscale is None and out.dtype == da.dtype and da.dtype == torch.bfloat16:
-        direct(da, weight, out)
-        return
+    few output tiles for ``matmul``): cuBLAS with an fp32 result, then one scaling kernel, one
+    rounding; the fp32 (rows, H) result is small next to the da block (H / V of it, times 2)."""
     _fp32_then_scale(da, weight, out, unscale)
 
 

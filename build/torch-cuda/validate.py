@@ -41,8 +41,55 @@ def chunked_unsupported(opts: Options) -> str | None:
     return None
 
 
+INT64 = torch.iinfo(torch.int64)
+
+
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number. Symbolic numbers (a float that ``torch.compile`` traces as an input
+    because it changes between calls) are checked by comparisons, which it can trace; ``math.isfinite``
+    it cannot."""
+    number = isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool)
+    return number and x == x and -math.inf < x < math.inf
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def check_flag(name: str, value) -> None:
+    """A bool option must be a bool: ``shift=2`` or ``return_metrics="no"`` is a mistake, not True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_process_group(group) -> None:
+    """``process_group`` must be a torch.distributed ProcessGroup of an initialised default group."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group was given but torch.distributed is not initialised "
+                           "(call torch.distributed.init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
+                        f"dist.new_group(...)), got {type(group).__name__}")
+
+
+def _dtensor_error(name: str, t) -> None:
+    """DTensors (FSDP2's sharded parameters, tensor parallelism) are refused with what to pass."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    if isinstance(t, DTensor):
+        raise TypeError(
+            f"{name} is a DTensor (placements {tuple(t.placements)}): the kernel takes plain tensors. "
+            "Under FSDP2, call the loss inside the forward of the FSDP module that owns the weight, where "
+            "its parameters are unsharded plain tensors (e.g. through layers.ForCausalLMLoss from the "
+            "model's forward). For a vocabulary sharded over a tensor-parallel mesh dimension (Shard(0)) "
+            "with the same hidden on every rank, pass weight.to_local() and "
+            "process_group=mesh.get_group(dim). Calling .full_tensor() yourself gives the full weight, "
+            "but its gradient then skips FSDP's reduction across data-parallel ranks."
+        )
 
 
 def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None, num_items_in_batch=None) -> None:
@@ -52,6 +99,9 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias),
+                    ("class_weight", class_weight)):
+        _dtensor_error(name, t)
     if hidden.ndim < 2:
         raise ValueError(f"hidden must be (N, H) or (..., H), got shape {tuple(hidden.shape)}")
     if weight.ndim != 2:
@@ -112,15 +162,19 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
             if num_items_in_batch.ndim != 0:
                 raise ValueError(f"num_items_in_batch must be an int or a 0-d tensor, got shape "
                                  f"{tuple(num_items_in_batch.shape)}")
-        elif not isinstance(num_items_in_batch, int) or isinstance(num_items_in_batch, bool):
+        elif not _is_int(num_items_in_batch):
             raise TypeError(f"num_items_in_batch must be an int or a 0-d tensor, got {num_items_in_batch!r}")
 
 
 def check_options(opts: Options) -> None:
     if opts.reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {opts.reduction!r}")
-    if not isinstance(opts.ignore_index, int) or isinstance(opts.ignore_index, bool):
+    if not _is_int(opts.ignore_index):
         raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
+    if not INT64.min <= opts.ignore_index <= INT64.max:
+        raise ValueError(f"ignore_index must fit in int64, got {opts.ignore_index!r}")
+    check_flag("return_metrics", opts.return_metrics)
+    check_flag("return_lse", opts.return_lse)
     if not _is_real(opts.logit_scale):
         raise ValueError(f"logit_scale must be a finite real number, got {opts.logit_scale!r}")
     if not (_is_real(opts.label_smoothing) and 0.0 <= opts.label_smoothing <= 1.0):
@@ -129,9 +183,7 @@ def check_options(opts: Options) -> None:
         raise ValueError(f"z_loss must be a finite number >= 0, got {opts.z_loss!r}")
     if opts.softcap is not None and not (_is_real(opts.softcap) and opts.softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
-    if opts.chunk_bytes is not None and (
-        not isinstance(opts.chunk_bytes, int) or isinstance(opts.chunk_bytes, bool) or opts.chunk_bytes < 1
-    ):
+    if opts.chunk_bytes is not None and (not _is_int(opts.chunk_bytes) or opts.chunk_bytes < 1):
         raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {opts.chunk_bytes!r}")
     if opts.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {opts.strategy!r}")
