@@ -54,15 +54,21 @@ def start_size_check(shard: Shard, device) -> torch.Tensor:
     smallest shard size over the group (one all-reduce of two integers). Every rank takes it on
     every call, whatever its size, so ranks with unequal shards never wait in different
     collectives; ``finish_size_check`` reads it once the forward's work is queued."""
-    sizes = torch.tensor([shard.v_local, -shard.v_local], dtype=torch.int64, device=device)
+    sizes = torch.full((2,), shard.v_local, dtype=torch.int64, device=device)  # a fill: graph-capturable
+    sizes[1].neg_()
     return all_reduce(sizes, shard, dist.ReduceOp.MAX)
 
 
 def finish_size_check(sizes: torch.Tensor, shard: Shard) -> None:
     """Raises on every rank unless every rank holds the same number of vocabulary rows. The one host
     read of the vocabulary-parallel path, taken after the forward's kernels and collectives are
-    queued (the ranks' statistics were all-reduced with the same shapes: they depend on N only)."""
-    largest, smallest = sizes[0].item(), -sizes[1].item()
+    queued (the ranks' statistics were all-reduced with the same shapes: they depend on N only).
+    Not while a CUDA graph is being captured, where no host read is allowed: the eager warm-up
+    calls that capture needs have checked the same sizes, and the replays keep them."""
+    if sizes.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    largest, negated_smallest = sizes.tolist()
+    smallest = -negated_smallest
     if largest != smallest:
         raise ValueError(
             f"vocabulary shards must have equal sizes across the process group: this rank holds "
