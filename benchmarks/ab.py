@@ -1,0 +1,146 @@
+"""Side by side: this package against copies of other commits, in one process, interleaved.
+
+    mkdir -p .ab/base && git archive <commit> torch-ext/fused_linear_ce | tar -x -C .ab/base --strip-components=1
+    python3 benchmarks/ab.py --variants base=.ab/base/fused_linear_ce [--shapes S1] [--dists random peaked]
+        [--settings eval default 64M none chunked-whole] [--rounds 3] [--out DIR]
+
+What a refactor or a fix must show: the same times within noise, and the same errors. Per shape and
+data distribution (bench.py's ``make_data``, bf16) and setting, each package's fwd+bwd time (the
+evaluation forward alone for ``eval``) as the median of ``--rounds`` interleaved rounds of
+``triton.testing.do_bench`` medians, its extra peak memory, and its dX / dW errors against bench.py's
+fp32-logit reference (mean loss; ``none`` is the per-row loss summed over the counted rows).
+Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` (recompute path,
+64 MiB), ``none`` (reduction="none", the per-row upstream gradient path), ``chunked-whole``
+(chunked path in one chunk). Prints a table last; writes ab.json under --out.
+"""
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "torch-ext"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench import gpu_name, make_data, reference_and_stats, rel, versions  # noqa: E402
+
+import fused_linear_ce  # noqa: E402
+
+MiB = 1 << 20
+SHAPES = {"S1": (8192, 4096, 128256), "S2": (4096, 2304, 256000), "S3": (16384, 2048, 151936)}
+SETTINGS = {
+    "eval": None,
+    "default": dict(),
+    "64M": dict(strategy="recompute", chunk_bytes=64 * MiB),
+    "none": dict(reduction="none"),
+    "chunked-whole": dict(strategy="chunked", chunk_bytes=1 << 50),
+}
+
+
+def load_copy(name, path):
+    """The package at ``path`` imported as ``fused_linear_ce_<name>`` (its own custom-op namespace)."""
+    full = f"fused_linear_ce_{name}"
+    spec = importlib.util.spec_from_file_location(full, Path(path) / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[full] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def runner(package, setting, hidden, weight, targets):
+    """A zero-argument callable: one forward (+ backward) of ``package`` under ``setting``."""
+    if setting == "eval":
+        def run():
+            with torch.no_grad():
+                package.fused_linear_cross_entropy(hidden, weight, targets)
+        return run, None, None
+    h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    kwargs = SETTINGS[setting]
+    counted = (targets != -100).sum()
+
+    def run():
+        h.grad = w.grad = None
+        loss = package.fused_linear_cross_entropy(h, w, targets, **kwargs)
+        if loss.ndim:
+            loss = loss.sum() / counted
+        loss.backward()
+
+    return run, h, w
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="*", default=[], help="NAME=PATH of other copies of the package")
+    ap.add_argument("--shapes", nargs="+", default=["S1"], choices=list(SHAPES))
+    ap.add_argument("--dists", nargs="+", default=["random", "peaked"])
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/ab")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    packages = {"new": fused_linear_ce}
+    for spec in args.variants:
+        name, path = spec.split("=", 1)
+        packages[name] = load_copy(name, path)
+    rows = []
+    for shape in args.shapes:
+        n, h, v = SHAPES[shape]
+        for dist in args.dists:
+            hidden, weight, targets = make_data(n, h, v, dist, device, seed=0)
+            _, ref_dx, ref_dw, _ = reference_and_stats(hidden, weight, targets, "tf32")
+            for setting in args.settings:
+                runs = {}
+                for name, package in packages.items():
+                    run, hl, wl = runner(package, setting, hidden, weight, targets)
+                    run()  # compile, tune, warm
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    run()
+                    torch.cuda.synchronize()
+                    row = dict(shape=shape, dist=dist, setting=setting, package=name,
+                               extra_mib=(torch.cuda.max_memory_allocated() - base) / MiB, times=[])
+                    if hl is not None:
+                        row.update(dx_err=rel(hl.grad, ref_dx), dw_err=rel(wl.grad, ref_dw))
+                    runs[name] = (run, row)
+                    rows.append(row)
+                for _ in range(args.rounds):  # interleaved: drift in clocks or heat hits every package alike
+                    for name, (run, row) in runs.items():
+                        row["times"].append(triton.testing.do_bench(run, warmup=25, rep=400, return_mode="median"))
+                for run, row in runs.values():
+                    row["ms"] = statistics.median(row["times"])
+                    print(json.dumps(row), flush=True)
+                del runs
+            del hidden, weight, targets, ref_dx, ref_dw
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=gpu_name(device), versions=versions(), date=time.strftime("%Y-%m-%d"),
+                variants=dict(v.split("=", 1) for v in args.variants), rounds=args.rounds)
+    (out / "ab.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    names = list(packages)
+    print(f"\n{meta['gpu']}  {meta['versions']}  medians of {args.rounds} interleaved rounds (ms)")
+    print(f"{'shape':5} {'dist':7} {'setting':14}" + "".join(f" {n + ' ms':>10} {n + ' MiB':>9} {n + ' dX':>8}"
+                                                              for n in names) + "   new/" + names[-1])
+    for shape in args.shapes:
+        for dist in args.dists:
+            for setting in args.settings:
+                cells = {r["package"]: r for r in rows
+                         if (r["shape"], r["dist"], r["setting"]) == (shape, dist, setting)}
+                line = f"{shape:5} {dist:7} {setting:14}"
+                for n in names:
+                    r = cells[n]
+                    line += f" {r['ms']:10.2f} {r['extra_mib']:9.0f} {r.get('dx_err', float('nan')):8.1e}"
+                line += f"   {cells['new']['ms'] / cells[names[-1]]['ms']:.3f}"
+                print(line)
+
+
+if __name__ == "__main__":
+    main()
