@@ -4,15 +4,19 @@
 
 Writes, beside the JSON (or under --out), for a JSON named <stem>.json:
   <stem>.md            markdown table: shape, dist, method, times, extra memory, errors, TFLOP/s
-  <stem>_frontier.png  forward+backward time against extra memory, one panel per (dist, shape):
-                       our chunk_bytes settings as a curve, peers as labelled points, the 3-matmul floor
-  <stem>_memory.png    extra memory against N for the methods measured at both S1 and S4 (same H, V)
+  <stem>_frontier.png  forward+backward time against extra memory, one panel per shape: our
+                       chunk_bytes settings as two curves (recompute, chunked), peers as points, the
+                       3-matmul floor; points above 3x the floor drawn as arrows at the top edge
+  <stem>_accuracy.png  forward+backward time against the worse of the dX / dW errors, first shape,
+                       one panel per distribution
+  <stem>_memory.png    extra memory per method, one bar per shape sharing the first shape's H and V
 The table needs nothing beyond the standard library; the PNGs need matplotlib (skipped with a note
 when it is missing).
 """
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -66,80 +70,169 @@ def table(data):
     return "\n".join(out) + "\n"
 
 
-def colors(rows):
-    """One colour per method across all panels (C0 is ours)."""
-    peers = [m for m in order(rows, "method") if not m.startswith("flce")]
-    return {m: f"C{1 + k % 9}" for k, m in enumerate(peers)}
+PEER_MARKERS = "s^vP*Xhd<>"
+OURS = "C0"
+
+
+def peers_style(rows):
+    """One colour and marker per peer method across all figures (C0 is ours)."""
+    peers = [m for m in order(rows, "method") if not m.startswith("flce") and m != "matmul"]
+    return {m: (f"C{1 + k % 9}", PEER_MARKERS[k % len(PEER_MARKERS)]) for k, m in enumerate(peers)}
+
+
+def short(method):
+    """flce-chunked-1G -> chunked 1G, flce-64M -> 64M, flce -> default."""
+    name = method.removeprefix("flce").lstrip("-")
+    return name.replace("chunked-", "chunked ") if name else "default"
+
+
+ABOVE, RIGHT, BELOW = "above", "right", "below"
+
+
+def place(ax, labels):
+    """Annotate `(x, y, text, color, where)` labels above, right of or below-right of their points,
+    each moved away from its point (up, up, down) until its box clears every label placed before;
+    a thin line joins a moved label to its point."""
+    scale = ax.figure.dpi / 72
+    boxes = []
+    for x, y, text, color, where in labels:
+        px, py = ax.transData.transform((x, y)) / scale  # in points
+        w, h = 4.1 * len(text) + 2, 8
+        dx, dy = {ABOVE: (-w / 2, 5), RIGHT: (5, -3), BELOW: (5, -14)}[where]
+        start, step = dy, (-9 if where == BELOW else 9)
+        while any(abs(px + dx + w / 2 - bx) < (w + bw) / 2 and abs(py + dy + h / 2 - by) < (h + bh) / 2
+                  for bx, by, bw, bh in boxes):
+            dy += step
+        boxes.append((px + dx + w / 2, py + dy + h / 2, w, h))
+        line = dict(arrowstyle="-", lw=0.4, color=color, alpha=0.6) if dy != start else None
+        ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=7, color=color,
+                    arrowprops=line)
 
 
 def frontier(data, path, plt):
-    rows = data["rows"]
-    color = colors(rows)
-    shapes, dists = order(rows, "shape"), order(rows, "dist")
-    fig, axes = plt.subplots(len(dists), len(shapes), figsize=(4.6 * len(shapes), 3.9 * len(dists)), squeeze=False)
-    for i, dist in enumerate(dists):
-        for j, shape in enumerate(shapes):
-            ax = axes[i][j]
-            here = [r for r in rows if r["shape"] == shape and r["dist"] == dist]
-            for kind, style, label in (("recompute", "o-", "ours, recompute (chunk_bytes)"),
-                                       ("chunked", "D-", "ours, chunked (chunk_bytes)")):
-                ours = sorted((r for r in here if ok(r) and r["method"].startswith("flce") and r["extra_mib"] is not None
-                               and ("chunked" in r["method"]) == (kind == "chunked")), key=lambda r: r["extra_mib"])
-                if not ours:
-                    continue
+    """fwd+bwd time against extra memory, one panel per shape, first distribution (timing does not
+    depend on it except for a method that skips tiles: drawn hollow from the other distribution)."""
+    rows = [r for r in data["rows"] if ok(r)]
+    style = peers_style(data["rows"])
+    shapes, dists = order(data["rows"], "shape"), order(data["rows"], "dist")
+    ncol = min(2, len(shapes))
+    nrow = -(-len(shapes) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 4.4 * nrow), squeeze=False)
+    for ax, shape in zip(axes.flat, shapes):
+        here = [r for r in rows if r["shape"] == shape]
+        base = [r for r in here if r["dist"] == dists[0]]
+        floor = [r["fwdbwd_ms"] for r in base if r["method"] == "matmul"]
+        top = 3 * floor[0] if floor else max(r["fwdbwd_ms"] for r in here) * 1.1
+        labels = []
+        for kind, mark in (("recompute", "o-"), ("chunked", "D-")):
+            ours = sorted((r for r in base if r["method"].startswith("flce") and r["extra_mib"] is not None
+                           and ("chunked" in r["method"]) == (kind == "chunked")), key=lambda r: r["extra_mib"])
+            if ours:
                 xs = [max(r["extra_mib"], MiB_FLOOR) for r in ours]
-                ax.plot(xs, [r["fwdbwd_ms"] for r in ours], style, color="C0", label=label,
-                        alpha=1.0 if kind == "recompute" else 0.7)
-                for x, r in zip(xs, ours):
-                    ax.annotate(r["method"], (x, r["fwdbwd_ms"]), fontsize=7, color="C0",
-                                xytext=(3, 3), textcoords="offset points")
-            peers = [r for r in here if ok(r) and not r["method"].startswith("flce") and r["method"] != "matmul"
-                     and r["extra_mib"] is not None]
-            for r in peers:
-                x = max(r["extra_mib"], MiB_FLOOR)
-                ax.plot([x], [r["fwdbwd_ms"]], "s", color=color[r["method"]])
-                ax.annotate(r["method"], (x, r["fwdbwd_ms"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
-            floor = [r for r in here if ok(r) and r["method"] == "matmul"]
-            if floor:
-                ax.axhline(floor[0]["fwdbwd_ms"], color="gray", ls="--", lw=0.8, label="3 matmuls")
-            ax.set_xscale("log")
-            ax.set_ylim(bottom=0)
-            n = here[0] if here else {}
-            ax.set_title(f"{shape} {dist}: {n.get('N')}x{n.get('H')}x{n.get('V')}", fontsize=9)
-            ax.set_xlabel("extra memory (MiB, log)", fontsize=8)
-            ax.set_ylabel("fwd+bwd ms", fontsize=8)
-            ax.grid(True, which="both", alpha=0.3)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=7)
-    fig.suptitle(header(data["meta"]), fontsize=8)
+                ax.plot(xs, [r["fwdbwd_ms"] for r in ours], mark, color=OURS, ms=5,
+                        label=f"ours, {kind} path (chunk_bytes)")
+                labels += [(x, r["fwdbwd_ms"], short(r["method"]), OURS, ABOVE if kind == "recompute" else RIGHT)
+                           for x, r in zip(xs, ours)]
+        for r in here:
+            if r["method"] not in style or r["extra_mib"] is None:
+                continue
+            if r["dist"] != dists[0] and abs(r["fwdbwd_ms"] - next((b["fwdbwd_ms"] for b in base
+                                                                       if b["method"] == r["method"]), 0)) < 0.2 * r["fwdbwd_ms"]:
+                continue  # same time on the other data: nothing to show
+            color, marker = style[r["method"]]
+            x, y = max(r["extra_mib"], MiB_FLOOR), r["fwdbwd_ms"]
+            hollow = r["dist"] != dists[0]
+            name = r["method"] + (f" ({r['dist']} data)" if hollow else "")
+            if y > top:  # off the scale: an arrow at the top edge with its time
+                ax.plot([x], [top * 0.97], "^", color=color, ms=7)
+                labels.append((x, top * 0.97, f"{r['method']} {y:.0f} ms", color, BELOW))
+                continue
+            ax.plot([x], [y], marker, color=color, ms=7, mfc="none" if hollow else color, label=name)
+        if floor:
+            ax.axhline(floor[0], color="gray", ls="--", lw=0.8, label="3 cuBLAS matmuls (floor)")
+        ax.set_xscale("log")
+        ax.set_ylim(0, top)
+        n = here[0] if here else {}
+        ax.set_title(f"{shape}: N={n.get('N')}, H={n.get('H')}, V={n.get('V')} ({dists[0]} data)", fontsize=9)
+        ax.set_xlabel("extra memory (MiB, log)", fontsize=8)
+        ax.set_ylabel("fwd+bwd ms (lower is better)", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6.5, loc="lower left")
+        fig.canvas.draw()
+        place(ax, labels)
+    for ax in axes.flat[len(shapes):]:
+        ax.set_visible(False)
+    fig.suptitle(header(data["meta"]), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def accuracy(data, path, plt):
+    """Time against the worse of the dX / dW relative errors, first shape, one panel per distribution."""
+    rows = [r for r in data["rows"] if ok(r) and r.get("dx_rel") is not None and r.get("dw_rel") is not None]
+    style = peers_style(data["rows"])
+    shape, dists = order(data["rows"], "shape")[0], order(data["rows"], "dist")
+    fig, axes = plt.subplots(1, len(dists), figsize=(5.6 * len(dists), 4.2), squeeze=False, sharey=True)
+    for ax, dist in zip(axes[0], dists):
+        here = [r for r in rows if r["shape"] == shape and r["dist"] == dist]
+        ours = [r for r in here if r["method"].startswith("flce")]
+        ax.plot([r["fwdbwd_ms"] for r in ours], [max(r["dx_rel"], r["dw_rel"]) for r in ours], "o", color=OURS,
+                ms=6, label="ours (every chunk_bytes / strategy)")
+        for r in here:
+            if r["method"] in style:
+                color, marker = style[r["method"]]
+                ax.plot([r["fwdbwd_ms"]], [max(r["dx_rel"], r["dw_rel"])], marker, color=color, ms=7, label=r["method"])
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0e}"))
+        ax.yaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0e}" if round(v / 10 ** math.floor(
+            math.log10(v))) in (2, 3, 5) else ""))
+        ax.tick_params(axis="y", which="both", labelsize=7)
+        n = here[0] if here else {}
+        ax.set_title(f"{shape} {dist} data: N={n.get('N')}, H={n.get('H')}, V={n.get('V')}", fontsize=9)
+        ax.set_xlabel("fwd+bwd ms (lower is better)", fontsize=8)
+        ax.set_ylabel("max(dX, dW) relative error (log, lower is better)", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6.5)
+    fig.suptitle(f"{header(data['meta'])}\nerrors: relative Frobenius against the reference above", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def memory(data, path, plt):
-    """Extra memory against N for the methods that ran at both S1 and S4 (same H and V)."""
-    rows = [r for r in data["rows"] if ok(r) and r["extra_mib"] is not None and r["shape"] in ("S1", "S4")]
-    dists = order(data["rows"], "dist")
-    fig, axes = plt.subplots(1, len(dists), figsize=(5.5 * len(dists), 4.2), squeeze=False)
-    for ax, dist in zip(axes[0], dists):
-        here = [r for r in rows if r["dist"] == dist]
-        for k, m in enumerate(order(here, "method")):
-            pts = sorted((r["N"], max(r["extra_mib"], MiB_FLOOR)) for r in here if r["method"] == m)
-            if len({n for n, _ in pts}) < 2:
-                continue
-            style = "o-" if m.startswith("flce") else "s--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=f"C{k % 10}", label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N tokens (H=4096, V=128256)", fontsize=8)
-        ax.set_ylabel("extra memory (MiB, log)", fontsize=8)
-        ax.set_title(f"extra memory vs N, {dist}", fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no method ran at both S1 and S4", ha="center", transform=ax.transAxes)
+    """Extra memory per method, one bar per shape that has the first shape's H and V (S1 and S4: the
+    same head at 8x the tokens), first distribution (memory does not depend on the data)."""
+    dist = order(data["rows"], "dist")[0]
+    rows = [r for r in data["rows"] if ok(r) and r["extra_mib"] is not None and r["dist"] == dist]
+    if not rows:  # e.g. a CPU run: no memory figures
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.text(0.5, 0.5, "no extra-memory measurements in this run", ha="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+    first = rows[0]
+    shapes = [s for s in order(rows, "shape")
+              if any(r["shape"] == s and (r["H"], r["V"]) == (first["H"], first["V"]) for r in rows)]
+    methods = order(rows, "method")
+    fig, ax = plt.subplots(figsize=(7.5, 0.2 * len(methods) * len(shapes) + 1.4))
+    height = 0.8 / len(shapes)
+    for k, s in enumerate(shapes):
+        got = {r["method"]: max(r["extra_mib"], MiB_FLOOR) for r in rows if r["shape"] == s}
+        ys = [i + k * height for i, m in enumerate(methods) if m in got]
+        vals = [got[m] for m in methods if m in got]
+        n = next(r["N"] for r in rows if r["shape"] == s)
+        ax.barh(ys, vals, height=height, color=f"C{k}", label=f"{s}: N={n}")
+        for y, v in zip(ys, vals):
+            ax.text(v * 1.08, y, f"{v:,.0f}" if v >= 10 else f"{v:.1f}", va="center", fontsize=6.5)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(methods))], methods, fontsize=7.5)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("extra memory above inputs and gradients (MiB, log)", fontsize=8)
+    ax.set_title(f"extra memory, H={first['H']}, V={first['V']} ({header(data['meta']).split(' · ')[0]})", fontsize=9)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -165,9 +258,9 @@ def main(argv=None):
     except ImportError:
         print("note: matplotlib missing; PNGs skipped", file=sys.stderr)
         return
-    frontier(data, out / f"{stem}_frontier.png", plt)
-    memory(data, out / f"{stem}_memory.png", plt)
-    print(f"wrote {out / f'{stem}_frontier.png'} and {out / f'{stem}_memory.png'}")
+    for name, draw in (("frontier", frontier), ("accuracy", accuracy), ("memory", memory)):
+        draw(data, out / f"{stem}_{name}.png", plt)
+        print(f"wrote {out / f'{stem}_{name}.png'}")
 
 
 if __name__ == "__main__":

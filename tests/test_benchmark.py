@@ -66,7 +66,7 @@ def test_bench_tiny_and_plot(tmp_path):
     assert table.splitlines()[0].startswith("GPU: ")
     if importlib.util.find_spec("matplotlib") is None:  # the table needs none; PNGs need matplotlib
         return
-    for suffix in ("_frontier.png", "_memory.png"):
+    for suffix in ("_frontier.png", "_accuracy.png", "_memory.png"):
         png = path.with_name(path.stem + suffix)
         assert png.exists() and png.stat().st_size > 1000, png
 
