@@ -25,6 +25,7 @@ Each product is checked against a float64 product. Rounds are interleaved; print
 writes experiment_flat.json under --out.
 """
 
+import contextlib
 import sys
 import traceback
 from pathlib import Path
@@ -55,6 +56,20 @@ SWEEPS = {
 
 
 @triton.jit
+
+@contextlib.contextmanager
+def _full_precision_reductions():
+    """cuBLAS without reduced-precision split-K reductions into bf16, as this experiment measured it
+    (the package itself no longer changes torch's process-wide flag: its products never ask cuBLAS
+    for a 16-bit result)."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = saved
+
 def merge_tile(acc, vt, m, s, zt, target, V, BLOCK_V: tl.constexpr):
     """One logit tile (vocabulary tile ``vt``) into the rows' running max, sum and target logit."""
     offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -171,12 +186,12 @@ def product_runners(da, hidden, g, out):
     staging = torch.empty((m, p), device=da.device, dtype=torch.float32)
 
     def cublas_fp32():
-        with products.full_precision_reductions():
+        with _full_precision_reductions():
             torch.mm(da.t(), hidden, out_dtype=torch.float32, out=staging)
         return products.scale(staging, g, out=out)
 
     def cublas():
-        with products.full_precision_reductions():
+        with _full_precision_reductions():
             return torch.mm(da.t(), hidden, out=out)
 
     return {
