@@ -143,8 +143,10 @@ def _setup_context(ctx, inputs, output):
                     o["return_lse"], o["chunk_bytes"], o["strategy"])
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])  # what the forward op was told
     # The loss and the lse carry gradients; the metric sums (argmax and entropy counts, forward-only
-    # statistics) and the internal outputs do not, and autograd says so (requires_grad=False).
-    ctx.mark_non_differentiable(output[1], output[3], *output[4:])
+    # statistics) and the lse's internal form do not, and autograd says so (requires_grad=False).
+    # The chunked path's gradients stay differentiable outputs: differentiating the gradient they
+    # become (a gradient penalty) must reach ``scale_gradients`` and raise there, not see a constant.
+    ctx.mark_non_differentiable(output[1], output[3])
     ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, ctx.computed)
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
