@@ -20,8 +20,19 @@ Usage:
     python3 scripts/upload.py --dry-run [--remote-files FILE]
     HF_TOKEN=... python3 scripts/upload.py [--repo-id ORG/NAME] [--repo-type kernel|model]
 
+A 403 from the Hub (exit 3, a message naming the cause, `hub_refusal_message`) means the token may
+not write to the namespace, or creating `kernel`-type repos is still gated for it (as for `trl-lib`
+today): then publish the same layout with `--repo-type model` (docs/publishing.md).
+
+Why this script is hand-written: it follows `kernel-builder upload` (same branch layout, same stale-file
+deletion, card to `main`), but kernel-builder is a Nix-built Rust tool that is not installable from
+PyPI on a CI runner without Nix, cannot fall back to a `model`-type repo while kernel repos are gated,
+and does not refuse a stale or dirty checkout. The `kernels` package (0.17) has no upload command.
+Everything it can take from the tools it does: the metadata is parsed by `kernels._rust.Metadata`, the
+variant digest is checked with `kernels._rust.Digest`, and the Hub calls are `huggingface_hub.HfApi`.
+
 As a module: `plan_operations(repo_root, remote_files)` (pure: reads the checkout only),
-`preflight(repo_root)` (the refusals), `execute(operations, api, ...)`.
+`preflight(repo_root)` (the refusals), `execute(operations, api, ...)`, `hub_refusal_message(...)`.
 """
 
 from __future__ import annotations
@@ -155,6 +166,8 @@ def preflight(repo_root: Path) -> list[str]:
                 f"invalid metadata: {rel}: name/version {meta.name}/{meta.version} do not match build.toml "
                 f"{general['name']}/{general['version']}"
             )
+        elif path.parent.parent == repo / "build":
+            problems += _digest_problems(path.parent, meta)
     if not problems:
         try:
             stale = sync_build.check(repo)
@@ -174,6 +187,55 @@ def preflight(repo_root: Path) -> list[str]:
         changed = "\n".join(f"      {line}" for line in status.stdout.rstrip().splitlines())
         problems.append(f"git working tree is dirty (commit or stash first):\n{changed}")
     return problems
+
+
+def _digest_problems(variant: Path, meta) -> list[str]:
+    """What `kernels.verify.verify_variant` would find wrong with the variant's files: the same
+    re-hash (`Digest.hash_variant` with the metadata's algorithm) and `digest.validate`."""
+    from kernels._rust import Digest, DigestValidationError
+
+    rel = variant.relative_to(variant.parent.parent).as_posix()
+    if meta.digest is None:
+        return [f"invalid metadata: {rel}/metadata.json: no digest (run `python3 scripts/sync_build.py`)"]
+    try:
+        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
+    except DigestValidationError as e:
+        return [f"stale digest: {rel}: " + "; ".join(str(v) for v in e.violations)]
+    return []
+
+
+def hub_refusal_message(error: Exception, *, repo_id: str, repo_type: str) -> str | None:
+    """A clear explanation of a 401/403 from the Hub; None for any other error."""
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    server = getattr(error, "server_message", None) or ""
+    namespace = repo_id.split("/", 1)[0]
+    where = f"{URL_PREFIX.get(repo_type, '')}{repo_id} ({repo_type} repo)"
+    if status == 401:
+        return (
+            f"upload.py: the Hub rejected the token (HTTP 401) for {where}: it is missing, expired or "
+            f"revoked. Create a write token at https://huggingface.co/settings/tokens and pass it as "
+            f"HF_TOKEN or --token.{' Hub says: ' + server if server else ''}"
+        )
+    if status != 403:
+        return None
+    lines = [
+        f"upload.py: the Hub refused (HTTP 403 Forbidden) a write to {where}.{' Hub says: ' + server if server else ''}",
+        "Two causes are known:",
+        f"  1. the token may not write to the `{namespace}` namespace: use a token of a member with write",
+        f"     access to `{namespace}` (a classic write token, or a fine-grained token granting",
+        f"     'write access to contents/settings of all repos' under `{namespace}`);",
+    ]
+    if repo_type == "kernel":
+        lines += [
+            f"  2. creating `kernel`-type repos is gated for `{namespace}` (kernel repos are enabled per",
+            "     namespace by Hugging Face; ask for it). Until then publish the same layout to a model",
+            f"     repo: `python3 scripts/upload.py --repo-type model --repo-id {repo_id}` (users then",
+            "     `git clone -b v<version>` it and load it with get_local_kernel; docs/publishing.md).",
+        ]
+    else:
+        lines += ["  2. the repo exists and belongs to someone else, or the organisation restricts writes."]
+    return "\n".join(lines)
 
 
 def _git_head(repo: Path) -> str:
@@ -259,19 +321,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from huggingface_hub import HfApi
 
+    from huggingface_hub.errors import HfHubHTTPError
+
     api = HfApi()
-    remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
-    operations = plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists)
-    for op in operations:
-        print(op)
-    execute(
-        operations,
-        api,
-        repo_id=repo_id,
-        repo_type=args.repo_type,
-        token=token,
-        message=f"Upload {_general(repo)['name']} {branch} from {_git_head(repo)}",
-    )
+    try:
+        remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
+        operations = plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists)
+        for op in operations:
+            print(op)
+        execute(
+            operations,
+            api,
+            repo_id=repo_id,
+            repo_type=args.repo_type,
+            token=token,
+            message=f"Upload {_general(repo)['name']} {branch} from {_git_head(repo)}",
+        )
+    except HfHubHTTPError as e:
+        message = hub_refusal_message(e, repo_id=repo_id, repo_type=args.repo_type)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 3
     print(f"upload.py: published {repo_id} ({args.repo_type}) branch {branch} and the card on {MAIN}")
     return 0
 

@@ -8,17 +8,24 @@ checked on clones changed accordingly; the real upload path runs against a recor
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import re
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
 import yaml
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+from huggingface_hub.errors import HfHubHTTPError
 from hub_offline import guarded_env, load_script, refuse_network
+from kernels._rust import Digest, DigestValidationError, Metadata
 
 REPO = Path(__file__).resolve().parents[1]
 UPLOAD = REPO / "scripts" / "upload.py"
@@ -261,6 +268,163 @@ def test_refuses_invalid_metadata(clone, breakage, env):
 def test_refuses_to_upload_without_a_token(clone, env):
     proc = run_upload(clone, env=env)
     assert proc.returncode == 2 and "no token" in proc.stderr
+
+
+def test_refuses_a_stale_digest(clone, env):
+    """A variant file changed after its metadata.json was written (build/ edited by hand, sync skipped
+    for the metadata): the loader's re-hash disagrees, so the upload refuses."""
+    variant = clone / "build" / "torch-cuda"
+    with open(variant / "api.py", "a", encoding="utf-8") as f:
+        f.write("# edited in build/\n")
+    commit_all(clone, "edit build/ by hand")
+    proc = run_upload(clone, "--dry-run", env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "stale digest: build/torch-cuda:" in proc.stderr and "api.py" in proc.stderr
+
+
+def _http_error(status: int, server_message: str | None = None) -> HfHubHTTPError:
+    """What huggingface_hub raises for a failed request (its transport's Response, faked: the error
+    reads only `headers`, `request` and, in upload.py, `status_code`)."""
+    response = SimpleNamespace(status_code=status, headers={}, request=None)
+    return HfHubHTTPError(f"{status} Client Error: {server_message}", response=response, server_message=server_message)
+
+
+@pytest.mark.parametrize("repo_type", ["kernel", "model"])
+def test_a_403_says_what_to_do(clone, monkeypatch, capsys, repo_type):
+    """The Hub refusing create_repo (namespace gate for kernel repos, or a token without write access)
+    ends with exit 3 and an explanation, not a traceback; nothing is committed."""
+
+    class ForbiddenApi(RecordingApi):
+        def create_repo(self, *args, **kwargs):
+            self._record("create_repo", args, kwargs)
+            raise _http_error(403, "You don't have the rights to create a kernel")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", ForbiddenApi)
+    code = upload.main(["--repo", str(clone), "--token", "hf_test", "--repo-type", repo_type])
+    assert code == 3
+    calls = [name for name, _ in ForbiddenApi.last.calls]
+    assert calls[-1] == "create_repo" and "create_commit" not in calls
+    err = capsys.readouterr().err
+    assert "HTTP 403" in err and "You don't have the rights to create a kernel" in err
+    assert "may not write to the `trl-lib` namespace" in err
+    if repo_type == "kernel":
+        assert "gated for `trl-lib`" in err and "--repo-type model" in err
+    else:
+        assert "gated" not in err
+
+
+def test_hub_refusal_message_leaves_other_errors_alone():
+    assert upload.hub_refusal_message(_http_error(500), repo_id="a/b", repo_type="kernel") is None
+    assert upload.hub_refusal_message(ValueError("x"), repo_id="a/b", repo_type="kernel") is None
+    assert "HTTP 401" in upload.hub_refusal_message(_http_error(401), repo_id="a/b", repo_type="kernel")
+
+
+# --- the variant's digest and the compatibility package ---------------------------------------------
+
+VARIANT = REPO / "build" / "torch-cuda"
+
+
+def test_committed_digest_matches_the_variant_files():
+    """What `kernels.verify.verify_variant` checks after the signature: re-hash the folder with the
+    metadata's algorithm and validate. Fails when any variant file changed after sync_build ran."""
+    meta = Metadata.read_from_file(VARIANT / "metadata.json")
+    assert meta.digest is not None, "metadata.json has no digest: run `python3 scripts/sync_build.py`"
+    meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, VARIANT))
+    raw = json.loads((VARIANT / "metadata.json").read_bytes())["digest"]
+    files = {p.relative_to(VARIANT).as_posix() for p in VARIANT.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert raw["algorithm"] == "sha256"
+    assert set(raw["files"]) == files - set(sync_build.DIGEST_EXCLUDED)
+    assert "fused_linear_ce/__init__.py" in raw["files"]
+
+
+def test_digest_leaves_out_what_kernels_leaves_out(tmp_path):
+    """The digest is kernels' own: metadata.json, its signature and bytecode are not hashed, so the
+    loader's __pycache__ and a later signature do not make it stale; any other file change does."""
+    variant = tmp_path / "torch-cuda"
+    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
+    meta = Metadata.read_from_file(variant / "metadata.json")
+    (variant / "__pycache__").mkdir()
+    (variant / "__pycache__" / "api.cpython-311.pyc").write_bytes(b"\0")
+    (variant / "metadata.json.sigstore").write_text("{}")
+    meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
+    (variant / "api.py").write_text("changed\n")
+    (variant / "extra.py").write_text("x = 1\n")
+    with pytest.raises(DigestValidationError) as e:
+        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
+    text = " ".join(str(v) for v in e.value.violations)
+    assert "api.py" in text and "extra.py" in text
+
+
+def test_sync_build_reports_and_fixes_a_stale_digest(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "torch-ext", repo / "torch-ext", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(VARIANT, repo / "build" / "torch-cuda", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    assert sync_build.check(repo) == []
+    compat = repo / "build" / "torch-cuda" / "fused_linear_ce" / "__init__.py"
+    compat.write_text("# old compat module\n")
+    assert sync_build.check(repo) == ["differs: build/torch-cuda/fused_linear_ce/__init__.py"]
+    # A hand-made metadata.json with a wrong digest is reported even when every other file is right.
+    compat.write_bytes(sync_build.COMPAT_INIT.encode())
+    meta = json.loads((repo / "metadata.json").read_bytes())
+    meta["digest"]["files"]["api.py"] = "AAAA"
+    for path in (repo / "metadata.json", repo / "build" / "torch-cuda" / "metadata.json"):
+        path.write_bytes(sync_build.render_metadata(meta))
+    assert sync_build.check(repo) == ["differs: build/torch-cuda/metadata.json", "differs: metadata.json"]
+    sync_build.sync(repo)
+    assert sync_build.check(repo) == []
+    fixed = Metadata.read_from_file(repo / "build" / "torch-cuda" / "metadata.json")
+    fixed.digest.validate(Digest.hash_variant(fixed.digest.algorithm, repo / "build" / "torch-cuda"))
+
+
+def _import_as(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def test_compat_package_exports_the_flat_variant_symbols(monkeypatch):
+    """An older loader imports build/torch-cuda/fused_linear_ce/__init__.py as a package of its own:
+    it must import (its relative imports resolve one level up) and export the flat package's names."""
+    for name in list(sys.modules):
+        if name.startswith(("_flce_flat_test", "_flce_compat_test")):
+            monkeypatch.delitem(sys.modules, name)
+    flat = _import_as("_flce_flat_test", VARIANT / "__init__.py")
+    compat_init = VARIANT / "fused_linear_ce" / "__init__.py"
+    assert compat_init.read_text() == sync_build.COMPAT_INIT
+    compat = _import_as("_flce_compat_test_a", compat_init)
+    public = lambda m: sorted(n for n in vars(m) if not n.startswith("_"))  # noqa: E731
+    assert sorted(compat.__all__) == sorted(flat.__all__)
+    assert set(flat.__all__) <= set(public(compat)) and set(public(compat)) <= set(flat.__all__) | {"annotations"}
+    # The flat package was already imported from this folder: the compat package hands out its objects.
+    for name in flat.__all__:
+        assert getattr(compat, name) is getattr(flat, name), name
+
+
+def test_compat_package_alone_loads_the_kernel(tmp_path):
+    """In a fresh process (what an older loader sees): only the compat package is imported, under the
+    python name, and its loss runs."""
+    code = f"""
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("fused_linear_ce", {str(VARIANT / "fused_linear_ce" / "__init__.py")!r})
+m = importlib.util.module_from_spec(spec); sys.modules["fused_linear_ce"] = m; spec.loader.exec_module(m)
+h = torch.randn(4, 16); w = torch.randn(10, 16); t = torch.tensor([1, 2, 3, -100])
+ref = torch.nn.functional.cross_entropy(h @ w.T, t)
+print(sorted(m.__all__), float((m.fused_linear_cross_entropy(h, w, t) - ref).abs()))
+"""
+    env = {**guarded_env(tmp_path, tmp_path / "hf_home"), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    names, diff = proc.stdout.strip().rsplit(" ", 1)
+    flat_all = ast.literal_eval(re.search(r"__all__ = (\[.*?\])", (VARIANT / "__init__.py").read_text()).group(1))
+    assert names == repr(sorted(flat_all))
+    assert float(diff) < 1e-4
 
 
 # --- the card ---------------------------------------------------------------------------------------
