@@ -437,7 +437,11 @@ def test_card_is_the_readme_under_front_matter():
     assert meta["license"] == json.loads((REPO / "metadata.json").read_text())["license"] == "apache-2.0"
     assert meta["library_name"] == "kernels"
     assert {"kernel", "triton", "cross-entropy"} <= set(meta["tags"])
-    preamble, sections = make_card.split_sections((REPO / "README.md").read_text(encoding="utf-8"))
+    general = upload._general(REPO)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    # Verbatim but for the one rewrite: clones of the Hub repo pinned to the version branch.
+    readme = make_card.pin_clone_branch(readme, general["hub"]["repo-id"], general["version"])
+    preamble, sections = make_card.split_sections(readme)
     assert body.lstrip().startswith(preamble)
     kept = [h for h, _ in sections if h not in make_card.REPO_ONLY_SECTIONS]
     assert set(make_card.REQUIRED_SECTIONS) <= set(kept)
@@ -472,3 +476,31 @@ def test_sections_ignore_headings_in_code_and_require_the_card_sections(tmp_path
     (tmp_path / "README.md").write_text(text)
     with pytest.raises(ValueError, match="lacks the section"):
         make_card.card_sections(tmp_path)
+
+
+def test_card_clones_the_version_branch():
+    """A plain clone of the Hub repo checks out `main`, which holds only the card: every clone command
+    on the card names the version branch, where build/ is (the upload plan puts build/ there only)."""
+    card = make_card.render_card(REPO)
+    general = upload._general(REPO)
+    clones = [line for line in card.splitlines() if "git clone" in line and general["hub"]["repo-id"] in line]
+    for line in clones:
+        assert f"git clone -b v{general['version']} " in line, line
+    ops = upload.plan_operations(REPO, [])
+    assert not [op.path for op in ops if op.branch == "main" and op.path.startswith("build/")]
+    assert any(op.path == "build/torch-cuda/__init__.py" and op.branch == f"v{general['version']}" for op in ops)
+
+
+@pytest.mark.parametrize(
+    ("line", "pinned"),
+    [
+        ("git clone https://huggingface.co/org/k", "git clone -b v3 https://huggingface.co/org/k"),
+        ("git clone --depth 1 https://huggingface.co/kernels/org/k.git d", "git clone -b v3 --depth 1 https://huggingface.co/kernels/org/k.git d"),
+        ("git clone -b v2 https://huggingface.co/org/k", "git clone -b v2 https://huggingface.co/org/k"),
+        ("git clone --branch=main https://hf.co/org/k", "git clone --branch=main https://hf.co/org/k"),
+        ("git clone https://github.com/org/k", "git clone https://github.com/org/k"),
+        ("git clone https://huggingface.co/org/k-other", "git clone https://huggingface.co/org/k-other"),
+    ],
+)
+def test_pin_clone_branch(line, pinned):
+    assert make_card.pin_clone_branch(line, "org/k", 3) == pinned
