@@ -16,8 +16,12 @@ operations, one per line, without any network access; `--remote-files FILE` (pat
 branch, one per line) stands in for the Hub's listing so the deletions can be seen too. Without it a
 dry run assumes the branch does not exist yet.
 
+`--build-dir result` uploads the variants of a kernel-builder (Nix) build instead of the committed
+`build/` (kernels' documented CI flow: nix build, copy into build/, upload); it is refused unless
+`scripts/compare_nix_build.py` finds no drift between the two.
+
 Usage:
-    python3 scripts/upload.py --dry-run [--remote-files FILE]
+    python3 scripts/upload.py --dry-run [--remote-files FILE] [--build-dir result]
     HF_TOKEN=... python3 scripts/upload.py [--repo-id ORG/NAME] [--repo-type kernel|model]
 
 A 403 from the Hub (exit 3, a message naming the cause, `hub_refusal_message`) means the token may
@@ -48,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_nix_build  # noqa: E402
 import make_card  # noqa: E402
 import sync_build  # noqa: E402
 
@@ -90,19 +95,28 @@ def _ignored(rel: Path) -> bool:
     return "__pycache__" in rel.parts or rel.suffix == ".pyc"
 
 
-def local_branch_files(repo: Path = REPO) -> dict[str, Path]:
+def _variant_folders(build: Path, *, nix: bool) -> list[Path]:
+    """Variant folders of a build tree: every folder of build/; in a Nix result, those that hold a
+    metadata.json (the result also has benchmarks/ and maybe CARD.md)."""
+    if not build.is_dir():
+        return []
+    folders = (p for p in build.iterdir() if p.is_dir() and p.name != "__pycache__")
+    return sorted(p for p in folders if not nix or (p / "metadata.json").is_file())
+
+
+def local_branch_files(repo: Path = REPO, build_dir: Path | None = None) -> dict[str, Path]:
     """`{path in repo: local file}` of what the version branch must hold: build/<variant>/** of every
-    variant folder, and benchmarks/benchmark*.py."""
+    variant folder (of `build_dir`, a Nix result, when given), and benchmarks/benchmark*.py."""
     files: dict[str, Path] = {}
-    build = repo / "build"
-    variants = sorted(p for p in build.iterdir() if p.is_dir() and p.name != "__pycache__") if build.is_dir() else []
+    build = Path(build_dir) if build_dir is not None else repo / "build"
+    variants = _variant_folders(build, nix=build_dir is not None)
     if not variants:
         raise FileNotFoundError(f"no build variant under {build}")
     for variant in variants:
         for path in sorted(variant.rglob("*")):
-            rel = path.relative_to(repo)
+            rel = path.relative_to(variant)
             if path.is_file() and not _ignored(rel):
-                files[rel.as_posix()] = path
+                files[f"build/{variant.name}/{rel.as_posix()}"] = path
     for path in sorted((repo / "benchmarks").glob(BENCHMARK_GLOB)):
         if path.is_file():
             files[path.relative_to(repo).as_posix()] = path
@@ -126,6 +140,7 @@ def plan_operations(
     repo_id: str | None = None,
     repo_type: str = REPO_TYPE,
     new_branch: bool | None = None,
+    build_dir: Path | None = None,
 ) -> list[Operation]:
     """Everything an upload does, in order. Reads the checkout only; no network.
 
@@ -135,7 +150,7 @@ def plan_operations(
     repo = Path(repo_root)
     repo_id = repo_id or default_repo_id(repo)
     branch = version_branch(repo)
-    local = local_branch_files(repo)
+    local = local_branch_files(repo, build_dir)
     ops = [Operation("create-repo", f"{URL_PREFIX[repo_type]}{repo_id}")]
     if remote_files is None if new_branch is None else new_branch:
         ops.append(Operation("create-branch", branch))
@@ -146,8 +161,9 @@ def plan_operations(
     return ops
 
 
-def preflight(repo_root: Path) -> list[str]:
-    """Reasons not to publish this checkout; empty when it may be published."""
+def preflight(repo_root: Path, build_dir: Path | None = None) -> list[str]:
+    """Reasons not to publish this checkout (and the Nix build in `build_dir`, if given); empty when
+    it may be published."""
     from kernels._rust import Metadata  # the loader's own parser
 
     repo = Path(repo_root)
@@ -178,6 +194,21 @@ def preflight(repo_root: Path) -> list[str]:
                 "build/ is out of sync with torch-ext/ (run `python3 scripts/sync_build.py` and commit): "
                 + "; ".join(stale)
             )
+    if build_dir is not None and not problems:
+        build_dir = Path(build_dir)
+        if not _variant_folders(build_dir, nix=True):
+            problems.append(f"no build variant (folder with a metadata.json) under {build_dir}")
+        else:
+            drift = compare_nix_build.compare(build_dir, repo)
+            if drift:
+                problems.append("the Nix build differs from the committed build/: " + "; ".join(drift))
+            for variant in _variant_folders(build_dir, nix=True):
+                try:
+                    meta = Metadata.read_from_file(variant / "metadata.json")
+                except (OSError, ValueError) as e:
+                    problems.append(f"invalid metadata: {variant}/metadata.json: {e}")
+                    continue
+                problems += _digest_problems(variant, meta)
     status = subprocess.run(
         ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True, check=False
     )
@@ -194,7 +225,7 @@ def _digest_problems(variant: Path, meta) -> list[str]:
     re-hash (`Digest.hash_variant` with the metadata's algorithm) and `digest.validate`."""
     from kernels._rust import Digest, DigestValidationError
 
-    rel = variant.relative_to(variant.parent.parent).as_posix()
+    rel = f"{variant.parent.name}/{variant.name}"
     if meta.digest is None:
         return [f"invalid metadata: {rel}/metadata.json: no digest (run `python3 scripts/sync_build.py`)"]
     try:
@@ -290,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remote-files", type=Path, help="dry run: files on the version branch, one per line")
     parser.add_argument("--token", help="Hub token (default: environment variable HF_TOKEN)")
     parser.add_argument("--repo", type=Path, default=REPO, help="repository root (default: this script's repo)")
+    parser.add_argument("--build-dir", type=Path, help="upload the variants of this Nix build (e.g. ./result)")
     args = parser.parse_args(argv)
     repo = args.repo.resolve()
+    build_dir = args.build_dir.resolve() if args.build_dir else None
     if args.remote_files and not args.dry_run:
         parser.error("--remote-files is for --dry-run only")
 
-    problems = preflight(repo)
+    problems = preflight(repo, build_dir)
     if problems:
         print("upload.py: refusing to publish:", file=sys.stderr)
         for problem in problems:
@@ -311,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             remote = [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
         else:
             print(f"upload.py: dry run, assuming branch {branch} does not exist yet", file=sys.stderr)
-        for op in plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type):
+        for op in plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, build_dir=build_dir):
             print(op)
         return 0
 
@@ -326,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     api = HfApi()
     try:
         remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
-        operations = plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists)
+        operations = plan_operations(
+            repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists, build_dir=build_dir
+        )
         for op in operations:
             print(op)
         execute(

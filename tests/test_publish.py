@@ -504,3 +504,44 @@ def test_card_clones_the_version_branch():
 )
 def test_pin_clone_branch(line, pinned):
     assert make_card.pin_clone_branch(line, "org/k", 3) == pinned
+
+
+# --- uploading a kernel-builder (Nix) build -----------------------------------------------------------
+
+
+def fake_nix_build(tmp_path: Path) -> Path:
+    """What `nix build .#bundle` leaves: the variant with kernel-builder's own _ops.py, compat module,
+    id and a digest of its own files; benchmarks/ and a CARD.md beside it."""
+    result = tmp_path / "result"
+    variant = result / "torch-cuda"
+    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
+    (variant / "_ops.py").write_text("import torch\nops = torch.ops._fused_linear_ce_cuda_0123abc\n")
+    (variant / "fused_linear_ce" / "__init__.py").write_text("# kernel-builder's compat module\nfrom .. import *\n")
+    meta = json.loads((variant / "metadata.json").read_text())
+    meta.update(id="_fused_linear_ce_cuda_0123abc", digest=sync_build.hash_variant(variant))
+    (variant / "metadata.json").write_text(json.dumps(meta, indent=2))
+    shutil.copytree(REPO / "benchmarks", result / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "results"))
+    (result / "CARD.md").write_text("card\n")
+    return result
+
+
+def test_dry_run_uploads_the_nix_build(clone, tmp_path, env):
+    result = fake_nix_build(tmp_path)
+    proc = run_upload(clone, "--dry-run", "--build-dir", str(result), env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "upload build/torch-cuda/_ops.py" in lines and "upload build/torch-cuda/metadata.json" in lines
+    assert not [line for line in lines if "CARD.md" in line or "build/benchmarks" in line]
+    ops = upload.plan_operations(clone, [], build_dir=result)
+    meta = next(op for op in ops if op.path == "build/torch-cuda/metadata.json")
+    assert meta.source == result / "torch-cuda" / "metadata.json"
+
+
+def test_refuses_a_nix_build_that_drifted_or_has_a_stale_digest(clone, tmp_path, env):
+    result = fake_nix_build(tmp_path)
+    with open(result / "torch-cuda" / "api.py", "a", encoding="utf-8") as f:
+        f.write("# built from other sources\n")
+    proc = run_upload(clone, "--dry-run", "--build-dir", str(result), env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "the Nix build differs from the committed build/: differs: torch-cuda/api.py" in proc.stderr
+    assert "stale digest: result/torch-cuda:" in proc.stderr
