@@ -82,10 +82,13 @@ _VARIANT = _Path(__file__).resolve().parent.parent
 
 def _load_flat_variant():
     init = _VARIANT / "__init__.py"
-    for module in list(_sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if file and module.__name__ != __name__ and _Path(file).resolve() == init:
-            return module  # already imported (e.g. by the current loader, under the metadata id)
+    for name, module in list(_sys.modules.items()):
+        try:  # the module's own namespace: no lazy __getattr__ runs; None placeholders are skipped
+            file = vars(module).get("__file__")
+            if name != __name__ and isinstance(file, str) and _Path(file).resolve() == init:
+                return module  # already imported (e.g. by the current loader, under the metadata id)
+        except (TypeError, OSError, ValueError):
+            continue
     name = f"{__name__}._variant"
     spec = _util.spec_from_file_location(name, init, submodule_search_locations=[str(_VARIANT)])
     module = _util.module_from_spec(spec)
