@@ -402,9 +402,13 @@ def test_compat_package_exports_the_flat_variant_symbols(monkeypatch):
     public = lambda m: sorted(n for n in vars(m) if not n.startswith("_"))  # noqa: E731
     assert sorted(compat.__all__) == sorted(flat.__all__)
     assert set(flat.__all__) <= set(public(compat)) and set(public(compat)) <= set(flat.__all__) | {"annotations"}
-    # The flat package was already imported from this folder: the compat package hands out its objects.
+    # The flat package was already imported from this folder (here, and maybe earlier in the session by
+    # the loader under its id): the compat package reuses such a module instead of importing a copy.
+    reused = compat._variant
+    assert Path(reused.__file__).resolve() == (VARIANT / "__init__.py").resolve()
+    assert reused.__name__ != "_flce_compat_test_a._variant"
     for name in flat.__all__:
-        assert getattr(compat, name) is getattr(flat, name), name
+        assert getattr(compat, name) is getattr(reused, name), name
 
 
 def test_compat_package_alone_loads_the_kernel(tmp_path):
