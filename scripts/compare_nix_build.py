@@ -10,8 +10,11 @@ revision) and `<module>/__init__.py` (a compatibility module for the nested layo
 The committed build/ (what scripts/upload.py publishes) is in sync when:
 * the variant folders are the same;
 * every committed file is in the Nix build with the same bytes, except metadata.json, whose keys must
-  carry the same values there, `id` excepted (Nix derives it from the git revision, sync_build.py
-  from the sources' digest); keys only Nix writes (provenance, digest, ...) are allowed;
+  carry the same values there, `id` and `digest` excepted (Nix derives the id from the git revision,
+  sync_build.py from the sources' digest; the digest covers each side's own generated files, so it
+  differs by construction, and each side's is checked against its own files by kernels), and the
+  compatibility module `<module>/__init__.py`, which both sides generate (each its own text; it must
+  exist on both); keys only Nix writes (provenance, ...) are allowed;
 * the Nix build has no other file than the generated ones above.
 
 Usage: python3 scripts/compare_nix_build.py RESULT_DIR [--repo ROOT]   (exit 1 on drift)
@@ -25,7 +28,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-IGNORED_KEYS = {"id"}
+IGNORED_KEYS = {"id", "digest"}
 
 
 def _files(folder: Path) -> dict[str, Path]:
@@ -40,9 +43,14 @@ def _variants(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir() if p.is_dir() and p.name.startswith("torch")} if folder.is_dir() else set()
 
 
-def generated_files(repo: Path) -> set[str]:
+def compat_module(repo: Path) -> str:
+    """The nested compatibility module both kernel-builder and scripts/sync_build.py generate."""
     module = json.loads((repo / "metadata.json").read_text(encoding="utf-8"))["name"].replace("-", "_")
-    return {"_ops.py", f"{module}/__init__.py"}
+    return f"{module}/__init__.py"
+
+
+def generated_files(repo: Path) -> set[str]:
+    return {"_ops.py", compat_module(repo)}
 
 
 def compare(result: Path, repo: Path = REPO) -> list[str]:
@@ -54,6 +62,7 @@ def compare(result: Path, repo: Path = REPO) -> list[str]:
     for name in sorted(committed - built):
         problems.append(f"variant only in build/: {name}")
     allowed_extra = generated_files(repo)
+    compat = compat_module(repo)
     for variant in sorted(built & committed):
         nix, ours = _files(result / variant), _files(repo / "build" / variant)
         for rel, path in ours.items():
@@ -66,6 +75,8 @@ def compare(result: Path, repo: Path = REPO) -> list[str]:
                 for key in sorted(set(mine) - IGNORED_KEYS):
                     if theirs.get(key) != mine[key]:
                         problems.append(f"{where}: {key} is {theirs.get(key)!r} in the Nix build, {mine[key]!r} here")
+            elif rel == compat:
+                continue  # generated on each side; present on both is what matters
             elif nix[rel].read_bytes() != path.read_bytes():
                 problems.append(f"differs: {where}")
         for rel in sorted(set(nix) - set(ours) - allowed_extra):

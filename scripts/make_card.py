@@ -12,6 +12,10 @@ clean-room statement). Images the kept sections show with a relative path (`![..
 are returned by `card_assets()`: the upload puts them next to the card on `main`, where the relative
 links resolve.
 
+One rewrite is made: a `git clone` of the Hub repo without a branch gets `-b v<version>`. The build
+lives on the version branch (`kernel-builder upload` and scripts/upload.py put only the card on `main`),
+so a plain clone has no `build/` and nothing to load (`pin_clone_branch`).
+
 Nothing is written into the repo (kernel-builder treats a top-level CARD.md as a template of its own,
 and anything extra under build/ is stale for scripts/sync_build.py).
 
@@ -88,10 +92,26 @@ def front_matter(repo: Path = REPO) -> str:
     return "\n".join(lines + ["---"])
 
 
+def pin_clone_branch(text: str, repo_id: str, version: int) -> str:
+    """`git clone [opts] https://huggingface.co/[kernels/]<repo_id>[.git] [dir]` without `-b`/`--branch`
+    becomes `git clone -b v<version> ...`: the version branch is where `build/` is."""
+    url = r"https?://(?:www\.)?(?:huggingface\.co|hf\.co)/(?:kernels/)?" + re.escape(repo_id) + r"(?:\.git)?/?"
+    clone = re.compile(r"(?m)^(?P<lead>[^\n]*?\bgit clone)(?P<rest>(?:[ \t]+[^\n]*)?[ \t]+" + url + r"(?=\s|$)[^\n]*)$")
+
+    def pin(m: re.Match) -> str:
+        if re.search(r"(?:^|\s)(?:-b|--branch)(?:\s|=)", m.group("rest")):
+            return m.group(0)
+        return f"{m.group('lead')} -b v{version}{m.group('rest')}"
+
+    return clone.sub(pin, text)
+
+
 def render_card(repo: Path = REPO) -> str:
     """The whole card: front matter, README title + introduction, the kept sections, a footer."""
     preamble, sections = card_sections(repo)
     general = _general(repo)
+    pin = lambda text: pin_clone_branch(text, general["hub"]["repo-id"], general["version"])  # noqa: E731
+    preamble, sections = pin(preamble), [(h, pin(body)) for h, body in sections]
     footer = (
         f"<sub>This card is generated from the project README by `scripts/make_card.py`. Version "
         f"{general['version']} of `{general['hub']['repo-id']}` is the Hub branch `v{general['version']}` "

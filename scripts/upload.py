@@ -16,12 +16,27 @@ operations, one per line, without any network access; `--remote-files FILE` (pat
 branch, one per line) stands in for the Hub's listing so the deletions can be seen too. Without it a
 dry run assumes the branch does not exist yet.
 
+`--build-dir result` uploads the variants of a kernel-builder (Nix) build instead of the committed
+`build/` (kernels' documented CI flow: nix build, copy into build/, upload); it is refused unless
+`scripts/compare_nix_build.py` finds no drift between the two.
+
 Usage:
-    python3 scripts/upload.py --dry-run [--remote-files FILE]
+    python3 scripts/upload.py --dry-run [--remote-files FILE] [--build-dir result]
     HF_TOKEN=... python3 scripts/upload.py [--repo-id ORG/NAME] [--repo-type kernel|model]
 
+A 403 from the Hub (exit 3, a message naming the cause, `hub_refusal_message`) means the token may
+not write to the namespace, or creating `kernel`-type repos is still gated for it (as for `trl-lib`
+today): then publish the same layout with `--repo-type model` (docs/publishing.md).
+
+Why this script is hand-written: it follows `kernel-builder upload` (same branch layout, same stale-file
+deletion, card to `main`), but kernel-builder is a Nix-built Rust tool that is not installable from
+PyPI on a CI runner without Nix, cannot fall back to a `model`-type repo while kernel repos are gated,
+and does not refuse a stale or dirty checkout. The `kernels` package (0.17) has no upload command.
+Everything it can take from the tools it does: the metadata is parsed by `kernels._rust.Metadata`, the
+variant digest is checked with `kernels._rust.Digest`, and the Hub calls are `huggingface_hub.HfApi`.
+
 As a module: `plan_operations(repo_root, remote_files)` (pure: reads the checkout only),
-`preflight(repo_root)` (the refusals), `execute(operations, api, ...)`.
+`preflight(repo_root)` (the refusals), `execute(operations, api, ...)`, `hub_refusal_message(...)`.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_nix_build  # noqa: E402
 import make_card  # noqa: E402
 import sync_build  # noqa: E402
 
@@ -79,19 +95,28 @@ def _ignored(rel: Path) -> bool:
     return "__pycache__" in rel.parts or rel.suffix == ".pyc"
 
 
-def local_branch_files(repo: Path = REPO) -> dict[str, Path]:
+def _variant_folders(build: Path, *, nix: bool) -> list[Path]:
+    """Variant folders of a build tree: every folder of build/; in a Nix result, those that hold a
+    metadata.json (the result also has benchmarks/ and maybe CARD.md)."""
+    if not build.is_dir():
+        return []
+    folders = (p for p in build.iterdir() if p.is_dir() and p.name != "__pycache__")
+    return sorted(p for p in folders if not nix or (p / "metadata.json").is_file())
+
+
+def local_branch_files(repo: Path = REPO, build_dir: Path | None = None) -> dict[str, Path]:
     """`{path in repo: local file}` of what the version branch must hold: build/<variant>/** of every
-    variant folder, and benchmarks/benchmark*.py."""
+    variant folder (of `build_dir`, a Nix result, when given), and benchmarks/benchmark*.py."""
     files: dict[str, Path] = {}
-    build = repo / "build"
-    variants = sorted(p for p in build.iterdir() if p.is_dir() and p.name != "__pycache__") if build.is_dir() else []
+    build = Path(build_dir) if build_dir is not None else repo / "build"
+    variants = _variant_folders(build, nix=build_dir is not None)
     if not variants:
         raise FileNotFoundError(f"no build variant under {build}")
     for variant in variants:
         for path in sorted(variant.rglob("*")):
-            rel = path.relative_to(repo)
+            rel = path.relative_to(variant)
             if path.is_file() and not _ignored(rel):
-                files[rel.as_posix()] = path
+                files[f"build/{variant.name}/{rel.as_posix()}"] = path
     for path in sorted((repo / "benchmarks").glob(BENCHMARK_GLOB)):
         if path.is_file():
             files[path.relative_to(repo).as_posix()] = path
@@ -115,6 +140,7 @@ def plan_operations(
     repo_id: str | None = None,
     repo_type: str = REPO_TYPE,
     new_branch: bool | None = None,
+    build_dir: Path | None = None,
 ) -> list[Operation]:
     """Everything an upload does, in order. Reads the checkout only; no network.
 
@@ -124,7 +150,7 @@ def plan_operations(
     repo = Path(repo_root)
     repo_id = repo_id or default_repo_id(repo)
     branch = version_branch(repo)
-    local = local_branch_files(repo)
+    local = local_branch_files(repo, build_dir)
     ops = [Operation("create-repo", f"{URL_PREFIX[repo_type]}{repo_id}")]
     if remote_files is None if new_branch is None else new_branch:
         ops.append(Operation("create-branch", branch))
@@ -135,8 +161,9 @@ def plan_operations(
     return ops
 
 
-def preflight(repo_root: Path) -> list[str]:
-    """Reasons not to publish this checkout; empty when it may be published."""
+def preflight(repo_root: Path, build_dir: Path | None = None) -> list[str]:
+    """Reasons not to publish this checkout (and the Nix build in `build_dir`, if given); empty when
+    it may be published."""
     from kernels._rust import Metadata  # the loader's own parser
 
     repo = Path(repo_root)
@@ -155,6 +182,8 @@ def preflight(repo_root: Path) -> list[str]:
                 f"invalid metadata: {rel}: name/version {meta.name}/{meta.version} do not match build.toml "
                 f"{general['name']}/{general['version']}"
             )
+        elif path.parent.parent == repo / "build":
+            problems += _digest_problems(path.parent, meta)
     if not problems:
         try:
             stale = sync_build.check(repo)
@@ -165,6 +194,21 @@ def preflight(repo_root: Path) -> list[str]:
                 "build/ is out of sync with torch-ext/ (run `python3 scripts/sync_build.py` and commit): "
                 + "; ".join(stale)
             )
+    if build_dir is not None and not problems:
+        build_dir = Path(build_dir)
+        if not _variant_folders(build_dir, nix=True):
+            problems.append(f"no build variant (folder with a metadata.json) under {build_dir}")
+        else:
+            drift = compare_nix_build.compare(build_dir, repo)
+            if drift:
+                problems.append("the Nix build differs from the committed build/: " + "; ".join(drift))
+            for variant in _variant_folders(build_dir, nix=True):
+                try:
+                    meta = Metadata.read_from_file(variant / "metadata.json")
+                except (OSError, ValueError) as e:
+                    problems.append(f"invalid metadata: {variant}/metadata.json: {e}")
+                    continue
+                problems += _digest_problems(variant, meta)
     status = subprocess.run(
         ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True, check=False
     )
@@ -174,6 +218,55 @@ def preflight(repo_root: Path) -> list[str]:
         changed = "\n".join(f"      {line}" for line in status.stdout.rstrip().splitlines())
         problems.append(f"git working tree is dirty (commit or stash first):\n{changed}")
     return problems
+
+
+def _digest_problems(variant: Path, meta) -> list[str]:
+    """What `kernels.verify.verify_variant` would find wrong with the variant's files: the same
+    re-hash (`Digest.hash_variant` with the metadata's algorithm) and `digest.validate`."""
+    from kernels._rust import Digest, DigestValidationError
+
+    rel = f"{variant.parent.name}/{variant.name}"
+    if meta.digest is None:
+        return [f"invalid metadata: {rel}/metadata.json: no digest (run `python3 scripts/sync_build.py`)"]
+    try:
+        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
+    except DigestValidationError as e:
+        return [f"stale digest: {rel}: " + "; ".join(str(v) for v in e.violations)]
+    return []
+
+
+def hub_refusal_message(error: Exception, *, repo_id: str, repo_type: str) -> str | None:
+    """A clear explanation of a 401/403 from the Hub; None for any other error."""
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    server = getattr(error, "server_message", None) or ""
+    namespace = repo_id.split("/", 1)[0]
+    where = f"{URL_PREFIX.get(repo_type, '')}{repo_id} ({repo_type} repo)"
+    if status == 401:
+        return (
+            f"upload.py: the Hub rejected the token (HTTP 401) for {where}: it is missing, expired or "
+            f"revoked. Create a write token at https://huggingface.co/settings/tokens and pass it as "
+            f"HF_TOKEN or --token.{' Hub says: ' + server if server else ''}"
+        )
+    if status != 403:
+        return None
+    lines = [
+        f"upload.py: the Hub refused (HTTP 403 Forbidden) a write to {where}.{' Hub says: ' + server if server else ''}",
+        "Two causes are known:",
+        f"  1. the token may not write to the `{namespace}` namespace: use a token of a member with write",
+        f"     access to `{namespace}` (a classic write token, or a fine-grained token granting",
+        f"     'write access to contents/settings of all repos' under `{namespace}`);",
+    ]
+    if repo_type == "kernel":
+        lines += [
+            f"  2. creating `kernel`-type repos is gated for `{namespace}` (kernel repos are enabled per",
+            "     namespace by Hugging Face; ask for it). Until then publish the same layout to a model",
+            f"     repo: `python3 scripts/upload.py --repo-type model --repo-id {repo_id}` (users then",
+            "     `git clone -b v<version>` it and load it with get_local_kernel; docs/publishing.md).",
+        ]
+    else:
+        lines += ["  2. the repo exists and belongs to someone else, or the organisation restricts writes."]
+    return "\n".join(lines)
 
 
 def _git_head(repo: Path) -> str:
@@ -228,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remote-files", type=Path, help="dry run: files on the version branch, one per line")
     parser.add_argument("--token", help="Hub token (default: environment variable HF_TOKEN)")
     parser.add_argument("--repo", type=Path, default=REPO, help="repository root (default: this script's repo)")
+    parser.add_argument("--build-dir", type=Path, help="upload the variants of this Nix build (e.g. ./result)")
     args = parser.parse_args(argv)
     repo = args.repo.resolve()
+    build_dir = args.build_dir.resolve() if args.build_dir else None
     if args.remote_files and not args.dry_run:
         parser.error("--remote-files is for --dry-run only")
 
-    problems = preflight(repo)
+    problems = preflight(repo, build_dir)
     if problems:
         print("upload.py: refusing to publish:", file=sys.stderr)
         for problem in problems:
@@ -249,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             remote = [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
         else:
             print(f"upload.py: dry run, assuming branch {branch} does not exist yet", file=sys.stderr)
-        for op in plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type):
+        for op in plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, build_dir=build_dir):
             print(op)
         return 0
 
@@ -259,19 +354,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from huggingface_hub import HfApi
 
+    from huggingface_hub.errors import HfHubHTTPError
+
     api = HfApi()
-    remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
-    operations = plan_operations(repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists)
-    for op in operations:
-        print(op)
-    execute(
-        operations,
-        api,
-        repo_id=repo_id,
-        repo_type=args.repo_type,
-        token=token,
-        message=f"Upload {_general(repo)['name']} {branch} from {_git_head(repo)}",
-    )
+    try:
+        remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
+        operations = plan_operations(
+            repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists, build_dir=build_dir
+        )
+        for op in operations:
+            print(op)
+        execute(
+            operations,
+            api,
+            repo_id=repo_id,
+            repo_type=args.repo_type,
+            token=token,
+            message=f"Upload {_general(repo)['name']} {branch} from {_git_head(repo)}",
+        )
+    except HfHubHTTPError as e:
+        message = hub_refusal_message(e, repo_id=repo_id, repo_type=args.repo_type)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 3
     print(f"upload.py: published {repo_id} ({args.repo_type}) branch {branch} and the card on {MAIN}")
     return 0
 

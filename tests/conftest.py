@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -38,3 +39,168 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     denom = e.norm().item()
     diff = (a - e).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+# --- GPU test tier and shards (docs/testing.md) ------------------------------------------------------
+#
+# The whole suite takes over 30 minutes on one H200 run serially, and one device command may run 10.
+# Every collected test gets exactly one marker `shard1`..`shardK` (the shards partition the suite; each
+# is sized to fit one 10-minute command) and some also get `tier` (a subset that reaches every kernel
+# path, each dtype and the realistic sizes, sized for ~8 minutes; it overlaps the shards). Markers are
+# assigned here, by file and test name, so that no test file has to carry them.
+#
+# GPU_SECONDS: estimated serial seconds per test file on one H200, Triton cache cold, pytest start-up
+# excluded. No per-test timing of the GPU suite exists yet (earlier runs used pytest-xdist and printed
+# no durations); the figures are the test counts times a per-kind cost, anchored on the serial logs
+# that exist (benchmarks/results/cublas/gpu_products_tests.log: 44 product tests in 9.8 s;
+# gpu_num_items.log: 4 small fused-loss tests in 22.4 s with start-up, ~3.5 s a test with compiles;
+# ignored/nccl_2gpu.log: 4 tests in 87 s on two GPUs) and they add up to ~39 min, in line with the
+# "over 30 minutes" measured. `bash scripts/gpu_tests.sh` writes per-file durations (file_durations.txt)
+# next to its log: replace these figures with those measurements.
+GPU_SECONDS = {
+    "test_autotune.py": 190,  # 31 tests; autotuning compiles and times several tile candidates each
+    "test_benchmark.py": 60,  # bench.py subprocesses
+    "test_bf16_emulation.py": 2,
+    "test_borrowed_accumulator.py": 15,
+    "test_correctness.py": 340,  # 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
+    "test_determinism.py": 20,
+    "test_examples.py": 120,  # trains the Llama example twice in a subprocess
+    "test_extremes.py": 60,
+    "test_fuzz.py": 100,  # 100 hypothesis examples on the GPU
+    "test_gpu_scale.py": 60,  # Llama-3 lm-head shape, float64 chunked reference
+    "test_grad_semantics.py": 76,
+    "test_gradient_scaling.py": 5,
+    "test_hub_cache.py": 30,  # kernels CLI subprocesses
+    "test_ignored_blocks.py": 60,
+    "test_inputs.py": 30,  # mostly validation errors before any kernel
+    "test_integration.py": 100,  # torch.compile training steps, opcheck, CUDA graphs
+    "test_kernels_benchmark.py": 40,
+    "test_layout.py": 20,
+    "test_loader.py": 15,
+    "test_memory.py": 90,  # a thousand calls per case
+    "test_metrics.py": 35,
+    "test_parallel.py": 1,  # CPU/gloo only: skipped on a GPU
+    "test_parallel_nccl.py": 2,  # needs two GPUs: skipped on one (87 s on two: scripts/gpu_tests.sh nccl)
+    "test_plan.py": 5,
+    "test_products.py": 10,
+    "test_public_api.py": 10,
+    "test_publish.py": 25,
+    "test_registers.py": 60,  # offline sm_90 compile of the hot kernels in a subprocess
+    "test_rounding.py": 56,
+    "test_scale.py": 120,  # sizes past int32 elements
+    "test_splits.py": 5,
+    "test_tiers.py": 10,
+    "test_transformers.py": 60,
+    "test_trl.py": 90,  # SFTTrainer run
+    "test_variants.py": 190,
+    "test_workflows.py": 20,
+}
+GPU_SECONDS_DEFAULT = 60  # a test file not in the table yet
+GPU_SHARDS = 7
+GPU_SHARD_BUDGET_S = 380  # estimate per shard: 10-minute command less start-up, ~1.5x margin
+GPU_SHARD_PART_S = 130  # files estimated above this are spread over several shards, test by test
+GPU_TIER_BUDGET_S = 380  # estimate for the tier: 8 minutes less start-up, ~1.2x margin
+GPU_STARTUP_S = 30  # interpreter, torch/CUDA/Triton import and collection, per command
+
+# The tier, by file: True = every test of the file; a tuple = tests whose name (with parameters)
+# contains one of the strings. Paths: recompute (sweep + backward plans) and chunked, per dtype; the
+# products (TMA, pointer, cuBLAS); realistic sizes (Llama-3 bf16 all plans, sizes past int32, the
+# fp32/fp16/bf16 GPU-size correctness cases); memory bounds; ignored row blocks; loss variants;
+# autotuning; CUDA graphs; loading through kernels.
+GPU_TIER = {
+    "test_gpu_scale.py": True,
+    "test_products.py": True,
+    "test_plan.py": True,
+    "test_correctness.py": ("-recompute]", "-chunked]", "[N1000H512V50257-", "[N4096H1024V32001-"),
+    "test_scale.py": ("test_hidden_and_plane_past_int32_elements", "chunk1048576]", "test_misaligned_pointers_give_the_aligned_result[bf16]"),
+    "test_memory.py": ("[default-recompute]", "[16MiB-chunked]"),
+    "test_ignored_blocks.py": ("-bias-recompute]", "-bias-chunked]", "test_the_sweep_leaves_neutral_statistics", "test_returned_lse_covers"),
+    "test_variants.py": ("-bias-scale0.7-ls0.2-z0.01-cw]",),
+    "test_autotune.py": ("test_tunes_each_stage_once_per_shape_and_stays_exact", "test_no_tuning_during_cuda_graph_capture"),
+    "test_integration.py": ("test_cuda_graph_capture_and_replay", "test_num_items_in_batch_gradients_on_both_paths"),
+    "test_rounding.py": ("-cublas]",),
+    "test_extremes.py": ("[N45H72V700-bfloat16-mean-bias-scale0.001-cap0.001]", "test_logits_of_magnitude_1e4_give_a_finite_loss_and_the_right_gradient[bf16]"),
+    "test_grad_semantics.py": ("test_second_backward_accumulates_into_existing_grad",),
+    "test_loader.py": True,
+    "test_hub_cache.py": ("test_get_kernel_version_from_hub_cache_offline",),
+}
+# Tier strings naming cases that only a GPU run parametrizes (tests/test_tiers.py checks the others
+# still match a test on any machine).
+GPU_TIER_GPU_ONLY = {"[N1000H512V50257-", "[N4096H1024V32001-"}
+
+
+def _test_files() -> list[str]:
+    """Every test file on disk (not only the collected ones), so that the plan does not depend on
+    which files a run selects."""
+    return sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+
+
+def _file_seconds(name: str) -> float:
+    return float(GPU_SECONDS.get(name, GPU_SECONDS_DEFAULT))
+
+
+def _parts(name: str) -> int:
+    return max(1, -(-int(_file_seconds(name)) // GPU_SHARD_PART_S))
+
+
+def gpu_shard_plan(files: list[str] | None = None) -> dict[tuple[str, int], int]:
+    """`{(file, part): shard}`, shards numbered from 1: each file is cut in `_parts(file)` equal
+    estimated parts and the parts are packed largest first onto the least loaded shard (ties: the
+    lowest number). Deterministic: depends on the file names on disk and the table only."""
+    pieces = [(name, part, _file_seconds(name) / _parts(name)) for name in files or _test_files() for part in range(_parts(name))]
+    pieces.sort(key=lambda p: (-p[2], p[0], p[1]))
+    load = [0.0] * GPU_SHARDS
+    plan = {}
+    for name, part, seconds in pieces:
+        shard = min(range(GPU_SHARDS), key=lambda i: (load[i], i))
+        load[shard] += seconds
+        plan[(name, part)] = shard + 1
+    return plan
+
+
+def gpu_shard_of(file_name: str, test_name: str, plan: dict | None = None) -> int:
+    """The shard of one test: its file's part is chosen by a CRC-32 of the test's name (with its
+    parameters), so a test keeps its shard whatever else is collected."""
+    import zlib
+
+    plan = plan or gpu_shard_plan()
+    if (file_name, 0) not in plan:  # a file created after the plan (e.g. during this session)
+        plan = gpu_shard_plan(sorted(set(_test_files()) | {file_name}))
+    return plan[(file_name, zlib.crc32(test_name.encode("utf-8")) % _parts(file_name))]
+
+
+def in_gpu_tier(file_name: str, test_name: str) -> bool:
+    rule = GPU_TIER.get(file_name, False)
+    return rule if isinstance(rule, bool) else any(s in test_name for s in rule)
+
+
+def _item_names(item) -> tuple[str, str]:
+    file_name = Path(str(item.path)).name
+    return file_name, item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu-plan-json",
+        metavar="FILE",
+        help="write {nodeid: {file, shard, tier}} of the collected tests to FILE (tests/test_tiers.py, scripts/gpu_tests.sh plan)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    plan = gpu_shard_plan()
+    report = {}
+    for item in items:
+        file_name, test_name = _item_names(item)
+        shard = gpu_shard_of(file_name, test_name, plan)
+        item.add_marker(getattr(pytest.mark, f"shard{shard}"))
+        tier = in_gpu_tier(file_name, test_name)
+        if tier:
+            item.add_marker(pytest.mark.tier)
+        report[item.nodeid] = {"file": file_name, "shard": shard, "tier": tier}
+    path = config.getoption("--gpu-plan-json")
+    if path:
+        import json
+
+        Path(path).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")

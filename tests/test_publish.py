@@ -8,17 +8,24 @@ checked on clones changed accordingly; the real upload path runs against a recor
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import re
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
 import yaml
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+from huggingface_hub.errors import HfHubHTTPError
 from hub_offline import guarded_env, load_script, refuse_network
+from kernels._rust import Digest, DigestValidationError, Metadata
 
 REPO = Path(__file__).resolve().parents[1]
 UPLOAD = REPO / "scripts" / "upload.py"
@@ -263,6 +270,167 @@ def test_refuses_to_upload_without_a_token(clone, env):
     assert proc.returncode == 2 and "no token" in proc.stderr
 
 
+def test_refuses_a_stale_digest(clone, env):
+    """A variant file changed after its metadata.json was written (build/ edited by hand, sync skipped
+    for the metadata): the loader's re-hash disagrees, so the upload refuses."""
+    variant = clone / "build" / "torch-cuda"
+    with open(variant / "api.py", "a", encoding="utf-8") as f:
+        f.write("# edited in build/\n")
+    commit_all(clone, "edit build/ by hand")
+    proc = run_upload(clone, "--dry-run", env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "stale digest: build/torch-cuda:" in proc.stderr and "api.py" in proc.stderr
+
+
+def _http_error(status: int, server_message: str | None = None) -> HfHubHTTPError:
+    """What huggingface_hub raises for a failed request (its transport's Response, faked: the error
+    reads only `headers`, `request` and, in upload.py, `status_code`)."""
+    response = SimpleNamespace(status_code=status, headers={}, request=None)
+    return HfHubHTTPError(f"{status} Client Error: {server_message}", response=response, server_message=server_message)
+
+
+@pytest.mark.parametrize("repo_type", ["kernel", "model"])
+def test_a_403_says_what_to_do(clone, monkeypatch, capsys, repo_type):
+    """The Hub refusing create_repo (namespace gate for kernel repos, or a token without write access)
+    ends with exit 3 and an explanation, not a traceback; nothing is committed."""
+
+    class ForbiddenApi(RecordingApi):
+        def create_repo(self, *args, **kwargs):
+            self._record("create_repo", args, kwargs)
+            raise _http_error(403, "You don't have the rights to create a kernel")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", ForbiddenApi)
+    code = upload.main(["--repo", str(clone), "--token", "hf_test", "--repo-type", repo_type])
+    assert code == 3
+    calls = [name for name, _ in ForbiddenApi.last.calls]
+    assert calls[-1] == "create_repo" and "create_commit" not in calls
+    err = capsys.readouterr().err
+    assert "HTTP 403" in err and "You don't have the rights to create a kernel" in err
+    assert "may not write to the `trl-lib` namespace" in err
+    if repo_type == "kernel":
+        assert "gated for `trl-lib`" in err and "--repo-type model" in err
+    else:
+        assert "gated" not in err
+
+
+def test_hub_refusal_message_leaves_other_errors_alone():
+    assert upload.hub_refusal_message(_http_error(500), repo_id="a/b", repo_type="kernel") is None
+    assert upload.hub_refusal_message(ValueError("x"), repo_id="a/b", repo_type="kernel") is None
+    assert "HTTP 401" in upload.hub_refusal_message(_http_error(401), repo_id="a/b", repo_type="kernel")
+
+
+# --- the variant's digest and the compatibility package ---------------------------------------------
+
+VARIANT = REPO / "build" / "torch-cuda"
+
+
+def test_committed_digest_matches_the_variant_files():
+    """What `kernels.verify.verify_variant` checks after the signature: re-hash the folder with the
+    metadata's algorithm and validate. Fails when any variant file changed after sync_build ran."""
+    meta = Metadata.read_from_file(VARIANT / "metadata.json")
+    assert meta.digest is not None, "metadata.json has no digest: run `python3 scripts/sync_build.py`"
+    meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, VARIANT))
+    raw = json.loads((VARIANT / "metadata.json").read_bytes())["digest"]
+    files = {p.relative_to(VARIANT).as_posix() for p in VARIANT.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert raw["algorithm"] == "sha256"
+    assert set(raw["files"]) == files - set(sync_build.DIGEST_EXCLUDED)
+    assert "fused_linear_ce/__init__.py" in raw["files"]
+
+
+def test_digest_leaves_out_what_kernels_leaves_out(tmp_path):
+    """The digest is kernels' own: metadata.json, its signature and bytecode are not hashed, so the
+    loader's __pycache__ and a later signature do not make it stale; any other file change does."""
+    variant = tmp_path / "torch-cuda"
+    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
+    meta = Metadata.read_from_file(variant / "metadata.json")
+    (variant / "__pycache__").mkdir()
+    (variant / "__pycache__" / "api.cpython-311.pyc").write_bytes(b"\0")
+    (variant / "metadata.json.sigstore").write_text("{}")
+    meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
+    (variant / "api.py").write_text("changed\n")
+    (variant / "extra.py").write_text("x = 1\n")
+    with pytest.raises(DigestValidationError) as e:
+        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
+    text = " ".join(str(v) for v in e.value.violations)
+    assert "api.py" in text and "extra.py" in text
+
+
+def test_sync_build_reports_and_fixes_a_stale_digest(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "torch-ext", repo / "torch-ext", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(VARIANT, repo / "build" / "torch-cuda", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    assert sync_build.check(repo) == []
+    compat = repo / "build" / "torch-cuda" / "fused_linear_ce" / "__init__.py"
+    compat.write_text("# old compat module\n")
+    assert sync_build.check(repo) == ["differs: build/torch-cuda/fused_linear_ce/__init__.py"]
+    # A hand-made metadata.json with a wrong digest is reported even when every other file is right.
+    compat.write_bytes(sync_build.COMPAT_INIT.encode())
+    meta = json.loads((repo / "metadata.json").read_bytes())
+    meta["digest"]["files"]["api.py"] = "AAAA"
+    for path in (repo / "metadata.json", repo / "build" / "torch-cuda" / "metadata.json"):
+        path.write_bytes(sync_build.render_metadata(meta))
+    assert sync_build.check(repo) == ["differs: build/torch-cuda/metadata.json", "differs: metadata.json"]
+    sync_build.sync(repo)
+    assert sync_build.check(repo) == []
+    fixed = Metadata.read_from_file(repo / "build" / "torch-cuda" / "metadata.json")
+    fixed.digest.validate(Digest.hash_variant(fixed.digest.algorithm, repo / "build" / "torch-cuda"))
+
+
+def _import_as(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def test_compat_package_exports_the_flat_variant_symbols(monkeypatch):
+    """An older loader imports build/torch-cuda/fused_linear_ce/__init__.py as a package of its own:
+    it must import (its relative imports resolve one level up) and export the flat package's names."""
+    for name in list(sys.modules):
+        if name.startswith(("_flce_flat_test", "_flce_compat_test")):
+            monkeypatch.delitem(sys.modules, name)
+    flat = _import_as("_flce_flat_test", VARIANT / "__init__.py")
+    compat_init = VARIANT / "fused_linear_ce" / "__init__.py"
+    assert compat_init.read_text() == sync_build.COMPAT_INIT
+    compat = _import_as("_flce_compat_test_a", compat_init)
+    public = lambda m: sorted(n for n in vars(m) if not n.startswith("_"))  # noqa: E731
+    assert sorted(compat.__all__) == sorted(flat.__all__)
+    assert set(flat.__all__) <= set(public(compat)) and set(public(compat)) <= set(flat.__all__) | {"annotations"}
+    # The flat package was already imported from this folder (here, and maybe earlier in the session by
+    # the loader under its id): the compat package reuses such a module instead of importing a copy.
+    reused = compat._variant
+    assert Path(reused.__file__).resolve() == (VARIANT / "__init__.py").resolve()
+    assert reused.__name__ != "_flce_compat_test_a._variant"
+    for name in flat.__all__:
+        assert getattr(compat, name) is getattr(reused, name), name
+
+
+def test_compat_package_alone_loads_the_kernel(tmp_path):
+    """In a fresh process (what an older loader sees): only the compat package is imported, under the
+    python name, and its loss runs."""
+    code = f"""
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("fused_linear_ce", {str(VARIANT / "fused_linear_ce" / "__init__.py")!r})
+m = importlib.util.module_from_spec(spec); sys.modules["fused_linear_ce"] = m; spec.loader.exec_module(m)
+h = torch.randn(4, 16); w = torch.randn(10, 16); t = torch.tensor([1, 2, 3, -100])
+ref = torch.nn.functional.cross_entropy(h @ w.T, t)
+print(sorted(m.__all__), float((m.fused_linear_cross_entropy(h, w, t) - ref).abs()))
+"""
+    env = {**guarded_env(tmp_path, tmp_path / "hf_home"), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    names, diff = proc.stdout.strip().rsplit(" ", 1)
+    flat_all = ast.literal_eval(re.search(r"__all__ = (\[.*?\])", (VARIANT / "__init__.py").read_text()).group(1))
+    assert names == repr(sorted(flat_all))
+    assert float(diff) < 1e-4
+
+
 # --- the card ---------------------------------------------------------------------------------------
 
 
@@ -273,7 +441,11 @@ def test_card_is_the_readme_under_front_matter():
     assert meta["license"] == json.loads((REPO / "metadata.json").read_text())["license"] == "apache-2.0"
     assert meta["library_name"] == "kernels"
     assert {"kernel", "triton", "cross-entropy"} <= set(meta["tags"])
-    preamble, sections = make_card.split_sections((REPO / "README.md").read_text(encoding="utf-8"))
+    general = upload._general(REPO)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    # Verbatim but for the one rewrite: clones of the Hub repo pinned to the version branch.
+    readme = make_card.pin_clone_branch(readme, general["hub"]["repo-id"], general["version"])
+    preamble, sections = make_card.split_sections(readme)
     assert body.lstrip().startswith(preamble)
     kept = [h for h, _ in sections if h not in make_card.REPO_ONLY_SECTIONS]
     assert set(make_card.REQUIRED_SECTIONS) <= set(kept)
@@ -308,3 +480,72 @@ def test_sections_ignore_headings_in_code_and_require_the_card_sections(tmp_path
     (tmp_path / "README.md").write_text(text)
     with pytest.raises(ValueError, match="lacks the section"):
         make_card.card_sections(tmp_path)
+
+
+def test_card_clones_the_version_branch():
+    """A plain clone of the Hub repo checks out `main`, which holds only the card: every clone command
+    on the card names the version branch, where build/ is (the upload plan puts build/ there only)."""
+    card = make_card.render_card(REPO)
+    general = upload._general(REPO)
+    clones = [line for line in card.splitlines() if "git clone" in line and general["hub"]["repo-id"] in line]
+    for line in clones:
+        assert f"git clone -b v{general['version']} " in line, line
+    ops = upload.plan_operations(REPO, [])
+    assert not [op.path for op in ops if op.branch == "main" and op.path.startswith("build/")]
+    assert any(op.path == "build/torch-cuda/__init__.py" and op.branch == f"v{general['version']}" for op in ops)
+
+
+@pytest.mark.parametrize(
+    ("line", "pinned"),
+    [
+        ("git clone https://huggingface.co/org/k", "git clone -b v3 https://huggingface.co/org/k"),
+        ("git clone --depth 1 https://huggingface.co/kernels/org/k.git d", "git clone -b v3 --depth 1 https://huggingface.co/kernels/org/k.git d"),
+        ("git clone -b v2 https://huggingface.co/org/k", "git clone -b v2 https://huggingface.co/org/k"),
+        ("git clone --branch=main https://hf.co/org/k", "git clone --branch=main https://hf.co/org/k"),
+        ("git clone https://github.com/org/k", "git clone https://github.com/org/k"),
+        ("git clone https://huggingface.co/org/k-other", "git clone https://huggingface.co/org/k-other"),
+    ],
+)
+def test_pin_clone_branch(line, pinned):
+    assert make_card.pin_clone_branch(line, "org/k", 3) == pinned
+
+
+# --- uploading a kernel-builder (Nix) build -----------------------------------------------------------
+
+
+def fake_nix_build(tmp_path: Path) -> Path:
+    """What `nix build .#bundle` leaves: the variant with kernel-builder's own _ops.py, compat module,
+    id and a digest of its own files; benchmarks/ and a CARD.md beside it."""
+    result = tmp_path / "result"
+    variant = result / "torch-cuda"
+    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
+    (variant / "_ops.py").write_text("import torch\nops = torch.ops._fused_linear_ce_cuda_0123abc\n")
+    (variant / "fused_linear_ce" / "__init__.py").write_text("# kernel-builder's compat module\nfrom .. import *\n")
+    meta = json.loads((variant / "metadata.json").read_text())
+    meta.update(id="_fused_linear_ce_cuda_0123abc", digest=sync_build.hash_variant(variant))
+    (variant / "metadata.json").write_text(json.dumps(meta, indent=2))
+    shutil.copytree(REPO / "benchmarks", result / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "results"))
+    (result / "CARD.md").write_text("card\n")
+    return result
+
+
+def test_dry_run_uploads_the_nix_build(clone, tmp_path, env):
+    result = fake_nix_build(tmp_path)
+    proc = run_upload(clone, "--dry-run", "--build-dir", str(result), env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "upload build/torch-cuda/_ops.py" in lines and "upload build/torch-cuda/metadata.json" in lines
+    assert not [line for line in lines if "CARD.md" in line or "build/benchmarks" in line]
+    ops = upload.plan_operations(clone, [], build_dir=result)
+    meta = next(op for op in ops if op.path == "build/torch-cuda/metadata.json")
+    assert meta.source == result / "torch-cuda" / "metadata.json"
+
+
+def test_refuses_a_nix_build_that_drifted_or_has_a_stale_digest(clone, tmp_path, env):
+    result = fake_nix_build(tmp_path)
+    with open(result / "torch-cuda" / "api.py", "a", encoding="utf-8") as f:
+        f.write("# built from other sources\n")
+    proc = run_upload(clone, "--dry-run", "--build-dir", str(result), env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "the Nix build differs from the committed build/: differs: torch-cuda/api.py" in proc.stderr
+    assert "stale digest: result/torch-cuda:" in proc.stderr

@@ -156,7 +156,7 @@ def fake_nix_result(tmp_path: Path) -> Path:
             meta.update(id="_fused_linear_ce_cuda_0123abc", digest="sha256-xyz", provenance={"dirty": False})
             (result / variant.name / "metadata.json").write_text(json.dumps(meta))
             (result / variant.name / "_ops.py").write_text("ops = None\n")
-            (result / variant.name / "fused_linear_ce").mkdir()
+            (result / variant.name / "fused_linear_ce").mkdir(exist_ok=True)  # build/ has its own
             (result / variant.name / "fused_linear_ce" / "__init__.py").write_text("# compat\n")
     shutil.copytree(REPO / "benchmarks", result / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
     (result / "CARD.md").write_text("card\n")
