@@ -51,7 +51,9 @@ def test_direct_bf16_is_the_exact_sum_rounded_once(transposed):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_direct_sends_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
-    """fp32 through cuBLAS would follow the user's TF32 switch; fp16 da carries a lift the products undo."""
+    """fp32 through cuBLAS would follow the user's TF32 switch; a 16-bit result that fills the GPU
+    goes to the matmul too (``few_tiles`` patched off: these operands are one tile)."""
+    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)
     calls = []
     real = products.matmul
     monkeypatch.setattr(products, "matmul", lambda *args: calls.append(args) or real(*args))

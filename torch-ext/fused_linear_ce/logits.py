@@ -60,8 +60,10 @@ def tanh(x):
 def softcap_grad(z, softcap):
     """dz/du of ``z = c tanh(u / c)`` from z: ``1 - (z / c)^2``, as ``(1 - t)(1 + t)``, whose
     factors are exact near |t| = 1 (where the softcap saturates and ``1 - t * t`` would add the
-    rounding of ``t * t`` to a tiny result)."""
-    t = z / softcap
+    rounding of ``t * t`` to a tiny result). ``t`` by a correctly rounded division (the GPU's
+    default one is approximate: ``c / c`` may come out above 1), clamped to |t| <= 1, so a saturated
+    logit (tanh = 1 in fp32) has derivative 0, as torch's ``1 - tanh^2``, never a negative one."""
+    t = tl.minimum(tl.abs(tl.div_rn(z, softcap)), 1.0)
     return (1.0 - t) * (1.0 + t)
 
 
