@@ -5,7 +5,7 @@
 
 Each rank takes its slice of the global batch and divides its summed loss by the global number of
 counted tokens (``num_items_in_batch``), times the world size because DDP / FSDP average gradients
-over ranks: the gradients then equal one process on the whole batch (``tests/test_parallel.py``).
+over ranks: the gradients then equal one process on the whole batch (``tests/integrations/test_parallel.py``).
 The loss sees plain tensors: DDP keeps full parameters, FSDP2 all-gathers them before the forward
 of the unit that owns them (see ``wrap`` for the lm-head).
 """

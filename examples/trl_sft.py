@@ -10,7 +10,7 @@ lm-head weight (the (N, V) logits never exist), with causal shift and TRL's glob
 (``num_items_in_batch``) as the divisor. ``mean_token_accuracy`` and ``entropy`` come from the same
 kernel sweep (``return_metrics=True``) and are logged the way SFTTrainer logs them: sums gathered
 across processes, divided by the gathered token count. Tested single-process in
-``tests/test_trl.py`` against SFTTrainer's own loss and metrics.
+``tests/integrations/test_trl.py`` against SFTTrainer's own loss and metrics.
 """
 
 import torch

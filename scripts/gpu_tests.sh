@@ -2,9 +2,10 @@
 # Runs one slice of the test suite on a CUDA machine, sized for one 10-minute device command
 # (docs/testing.md). The slices are pytest markers that tests/conftest.py assigns by file and test name:
 #
+#   bash scripts/gpu_tests.sh all         # the whole suite; with GPU_TESTS_WORKERS=12 (pytest-xdist) 5.5 min measured
 #   bash scripts/gpu_tests.sh tier        # `-m tier`: every kernel path, each dtype, realistic sizes (~6-7 min est.)
 #   bash scripts/gpu_tests.sh shard N     # `-m shardN`, N in 1..7: the shards partition the whole suite
-#   bash scripts/gpu_tests.sh nccl        # tests/test_parallel_nccl.py (needs 2 GPUs; skipped on one)
+#   bash scripts/gpu_tests.sh nccl        # tests/integrations/test_parallel_nccl.py (needs 2 GPUs; skipped on one)
 #   bash scripts/gpu_tests.sh plan        # no GPU needed: print each test's shard/tier (JSON) and the estimates
 #
 # Logs go to $OUT/gpu_tests/ when OUT is set (the device machine's result folder), else to
@@ -18,12 +19,12 @@
 # logs before a 600-second command limit. GPU_TESTS_WORKERS=N runs pytest-xdist with N workers when
 # it is installed (the estimates assume a serial run). Extra arguments after the slice go to pytest.
 # GPU_TESTS_ALLOW_CPU=1 lets the script run without a GPU (Triton interpreter), to check the script
-# itself: `GPU_TESTS_ALLOW_CPU=1 bash scripts/gpu_tests.sh tier tests/test_plan.py`.
+# itself: `GPU_TESTS_ALLOW_CPU=1 bash scripts/gpu_tests.sh tier tests/kernel/test_plan.py`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 usage() {
-    sed -n '2,9p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,10p' "${BASH_SOURCE[0]}" >&2
     exit 2
 }
 
@@ -32,6 +33,7 @@ mode=${1:-}
 [ -n "$mode" ] || usage
 shift
 case "$mode" in
+    all) select=() ;;
     tier) select=(-m tier) ;;
     shard)
         n=${1:-}
@@ -44,7 +46,7 @@ case "$mode" in
         select=(-m "shard$n")
         mode="shard$n"
         ;;
-    nccl) select=(tests/test_parallel_nccl.py) ;;
+    nccl) select=(tests/integrations/test_parallel_nccl.py) ;;
     plan) ;;
     *) usage ;;
 esac

@@ -4,7 +4,7 @@
 The surface is the package's `__all__` (torch-ext/fused_linear_ce, imported as tests/conftest.py does)
 and, for each name there: a function's parameters (name, kind, default); a module's public functions
 (same), classes and UPPER_CASE constants. It is committed as tests/public_api.json together with the
-`version` of metadata.json it belongs to; tests/test_public_api.py fails when the code and the file
+`version` of metadata.json it belongs to; tests/packaging/test_public_api.py fails when the code and the file
 disagree.
 
 Compatible within a version (docs/MAINTAINERS.md): new names, new keyword-only parameters with a

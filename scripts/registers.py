@@ -5,7 +5,7 @@ configuration, registers per thread, stack bytes (register spills) and shared me
 Triton compiles for any target offline (``triton.compile`` of an ``ASTSource``; its wheel carries
 ptxas and cuobjdump), so register pressure can be read on a machine without a GPU. NOTES v12: the
 sweep spilled 96 bytes, the dlogits kernel 304 and the chunked sweep 1616 before their epilogues
-were slimmed; ``tests/test_registers.py`` keeps them at (nearly) none.
+were slimmed; ``tests/kernel/test_registers.py`` keeps them at (nearly) none.
 
 Usage:
     python3 scripts/registers.py            # a table

@@ -57,7 +57,7 @@ ID_HEX_DIGITS = 7  # kernels' convention for ids (`_<name>_<backend>_<7 hex>`)
 # Keys the loader's parser requires besides `id` (checked here so a typo fails before the loader).
 REQUIRED_KEYS = ("name", "version", "license", "python-depends", "backend")
 DIGEST_ALGORITHM = "SHA256"  # kernels._rust.DigestAlgorithm member; written as "sha256"
-# Files `Digest.hash_variant` leaves out of a variant's digest (checked by tests/test_publish.py).
+# Files `Digest.hash_variant` leaves out of a variant's digest (checked by tests/packaging/test_publish.py).
 DIGEST_EXCLUDED = ("metadata.json", "metadata.json.sigstore")
 
 # The nested compatibility package, `build/torch-cuda/<python name>/__init__.py`. It is imported by

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single test command: installs what is missing, then runs pytest (extra arguments pass through,
-# e.g. `bash scripts/test.sh -m kernels_ci` or `bash scripts/test.sh tests/test_layout.py`).
+# e.g. `bash scripts/test.sh -m kernels_ci` or `bash scripts/test.sh tests/packaging/test_layout.py`).
 # With no CUDA GPU visible, Triton kernels run in its interpreter on the CPU (TRITON_INTERPRET=1),
 # unless TRITON_INTERPRET is already set.
 set -euo pipefail

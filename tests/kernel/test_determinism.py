@@ -1,4 +1,4 @@
-"""Reproducibility (issue 3): the same inputs give bit-identical loss, metrics, lse and gradients run
+"""Reproducibility: the same inputs give bit-identical loss, metrics, lse and gradients run
 to run, and so do re-created identical inputs (fresh tensors, same values). The kernels use no
 atomics and the host no scatter-add, so there is no nondeterministic fast path and no
 ``deterministic=True`` setting is needed; the last test keeps it that way."""

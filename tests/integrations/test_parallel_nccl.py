@@ -1,4 +1,4 @@
-"""Vocabulary parallelism and data parallelism on two GPUs with NCCL (issue 6): 2 ranks, one GPU each,
+"""Vocabulary parallelism and data parallelism on two GPUs with NCCL: 2 ranks, one GPU each,
 started by the test. The sharded loss at the S1 shape (N=8192, H=4096, V=128256, bf16), on both
 gradient paths, against the single-GPU result on the unsharded weight computed on each rank's own
 GPU; and the DDP / FSDP2 example against one process. The gloo versions of these (CPU, in CI) are

@@ -1,4 +1,5 @@
-"""Loss and gradients against the float64 reference, over the case matrix of issue 2.
+"""Loss and gradients against the float64 reference, over the case matrix: dtypes, odd and real
+shapes, every reduction, ignored rows, bias, scale, softcap, memory budgets, both strategies.
 
 bf16 on CPU: the Triton interpreter's ``tl.dot`` multiplies the raw bits of bf16 operands
 (triton#11584) and its fp32 -> bf16 cast truncates. Under the interpreter the launcher sets

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import triton
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 40, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
         "dlogits, bias gradient": 80}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from kernels._rust import Backend, Build, Metadata
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "torch-ext" / "fused_linear_ce"
 VARIANT = REPO / "build" / "torch-cuda"
 METADATA_FILES = {"top-level": REPO / "metadata.json", "build": VARIANT / "metadata.json"}

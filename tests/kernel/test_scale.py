@@ -1,4 +1,4 @@
-"""Sizes past int32 and odd shapes on the GPU (issue 3), in bf16 (and fp16 for the odd shapes).
+"""Sizes past int32 and odd shapes on the GPU, in bf16 (and fp16 for the odd shapes).
 
 - N*H and N*V past 2^31 elements: N = 266243 (2^18 + 4099, a multiple of no block size), H = 8192,
   V = 16384: hidden is 4.1 GiB and its last rows sit past element 2^31; the (N, V) plane is 4.4e9.

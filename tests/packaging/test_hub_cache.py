@@ -26,7 +26,7 @@ from hub_offline import build_hub_cache, guarded_env, hf_env, load_script, refus
 from kernels import Metadata, get_kernel, has_kernel
 from kernels._versions import _get_available_versions_from_cache
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REPO_ID = tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))["general"]["hub"]["repo-id"]
 VERSION = Metadata.read_from_file(REPO / "metadata.json").version
 BRANCH = f"v{VERSION}"

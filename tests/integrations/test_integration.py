@@ -110,7 +110,7 @@ def test_num_items_in_batch_divides_the_summed_loss(as_tensor):
 def test_num_items_in_batch_gradients_on_both_paths(strategy):
     """The divisor is inside the op and is applied to the products (recompute: in fp32, one rounding;
     chunked: right after them, two independent roundings), never rounded into da, where one rounding
-    error would repeat on every row (tests/test_rounding.py): each gradient is within 1.6x the error
+    error would repeat on every row (tests/kernel/test_rounding.py): each gradient is within 1.6x the error
     of the exact gradient rounded once (1.8x on the chunked path, which also rounds exp(z - m_tile);
     measured on CPU 1.53x / 1.67x), and no worse than dividing outside the op."""
     case = Case(40, 32, 300, torch.bfloat16, "sum", ignored=0.2)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from hub_offline import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
 PUBLISH = REPO / ".github" / "workflows" / "publish.yml"
 BIN = Path(sys.executable).parent

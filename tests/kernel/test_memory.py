@@ -1,4 +1,4 @@
-"""No leaks, bounded memory (issue 3), on the GPU: 1000 forward+backward calls at a realistic size
+"""No leaks, bounded memory, on the GPU: 1000 forward+backward calls at a realistic size
 (N=4096 tokens, H=2048, V=32000, bf16) leave ``torch.cuda.memory_allocated()`` exactly where it
 started, and the peak over them stays within the documented bound for the chosen ``chunk_bytes``.
 
@@ -161,7 +161,7 @@ def _extra_mib(n, h, v, **kwargs):
 
 
 def test_default_setting_is_flat_in_n():
-    """Issue 8, target 4: at a fixed setting (the default) the extra memory at 8x the tokens is at
+    """Flat memory: at a fixed setting (the default) the extra memory at 8x the tokens is at
     most 1.2x (plus the O(N) per-row vectors). At N = 4096 the whole plane is one 250 MiB block; at
     32768 the N x H accumulator would be 256 MiB, so the backward takes two passes."""
     h, v = 2048, 32000

@@ -16,7 +16,7 @@ number comes from FLCE_FUZZ_EXAMPLES (default 50 on CPU, ~25 s on 2 cores; 100 o
 of the time is Triton compiling the kernels' many specialisations). Before each release, run the same
 generator longer on the GPU:
 
-    FLCE_FUZZ_EXAMPLES=2000 bash scripts/test.sh tests/test_fuzz.py
+    FLCE_FUZZ_EXAMPLES=2000 bash scripts/test.sh tests/kernel/test_fuzz.py
 
 FLCE_FUZZ_RANDOM=1 draws new examples each run instead (hypothesis prints a failing example and its
 ``@reproduce_failure`` blob).

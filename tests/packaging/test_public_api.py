@@ -16,7 +16,7 @@ import fused_linear_ce  # imported from torch-ext/ by tests/conftest.py
 import pytest
 from hub_offline import load_script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 public_api = load_script("public_api")
 
 

@@ -1,4 +1,4 @@
-"""Issue 4's loss variants: label smoothing, z-loss, class weights, the returned lse, per-token
+"""The loss variants: label smoothing, z-loss, class weights, the returned lse, per-token
 log-probabilities. All in the same sweep; each checked against the float64 reference, whose own
 formulas are checked against F.cross_entropy here too."""
 

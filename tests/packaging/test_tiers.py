@@ -67,7 +67,7 @@ def test_every_collected_test_is_in_exactly_one_shard(full_plan, tmp_path):
 
 
 def test_a_tests_shard_does_not_depend_on_what_else_is_collected(full_plan, tmp_path):
-    alone, _ = collect(tmp_path, "tests/test_plan.py", "tests/test_correctness.py")
+    alone, _ = collect(tmp_path, "tests/kernel/test_plan.py", "tests/kernel/test_correctness.py")
     assert alone and all(full_plan[n]["shard"] == v["shard"] for n, v in alone.items())
 
 

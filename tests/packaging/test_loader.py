@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from kernels import Metadata, get_kernel, get_loaded_kernels, get_local_kernel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VARIANT = REPO / "build" / "torch-cuda"
 HUB_REPO_ID = tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))["general"]["hub"]["repo-id"]
 VERSION = Metadata.read_from_file(REPO / "metadata.json").version

@@ -45,7 +45,7 @@ def _passes(n, h, v, budget, needs=(True, True), dtype=torch.bfloat16, block_n=1
 @pytest.mark.parametrize("n", [8192, 16384, 65536, 262144])
 def test_extra_memory_stays_within_the_budget_at_any_n(n):
     """The recompute backward's da blocks and fp32 accumulators never pass ``chunk_bytes``: the
-    default's memory is flat in N (issue 8, target 4)."""
+    default's memory is flat in N."""
     h, v = 4096, 128256
     budget = configs.DEFAULT_CHUNK_BYTES
     passes = _passes(n, h, v, None)

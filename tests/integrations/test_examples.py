@@ -1,4 +1,4 @@
-"""The training-run example (issue 5) at a tiny size: it runs, writes its log and plot, and the fused
+"""The training-run example at a tiny size: it runs, writes its log and plot, and the fused
 loss follows transformers' own loss step by step: to fp32 rounding on CPU (no autocast), to bf16
 rounding on a GPU (autocast)."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"shape", "dist", "N", "H", "V", "method", "fwd_ms", "fwdbwd_ms", "extra_mib",
             "loss_rel", "dx_rel", "dw_rel", "tflops", "error"}
 

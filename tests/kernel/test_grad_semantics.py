@@ -1,4 +1,4 @@
-"""Gradient semantics (issue 3): accumulation into existing ``.grad``, gradients (and their products)
+"""Gradient semantics: accumulation into existing ``.grad``, gradients (and their products)
 only for inputs that require them, forward-only under ``no_grad`` / ``inference_mode``, and a clear
 error on double backward. Spies on ``launch``, ``chunked`` and ``products`` record which kernels and products actually run."""
 

@@ -28,7 +28,7 @@ from conftest import DEVICE, ON_GPU
 from hub_offline import guarded_env, load_script, refuse_network
 from kernels._rust import Digest, DigestValidationError, Metadata
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UPLOAD = REPO / "scripts" / "upload.py"
 upload = load_script("upload")
 make_card = load_script("make_card")
