@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, launch, losses, parallel, products
+from . import chunked, losses, parallel, products, recompute, sweep
 from .validate import Options
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
@@ -70,7 +70,7 @@ def forward(
     if chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs):
         stats, *grads = chunked.forward(hidden, weight, targets, bias, class_weight, opts, *needs, shard, divisor)
     else:
-        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+        stats = sweep.forward(hidden, weight, targets, bias, class_weight, opts, shard)
     grads = [g if g is not None else hidden.new_empty((0,)) for g in grads]  # distinct outputs
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)
@@ -114,7 +114,7 @@ def backward(
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
-    grads = launch.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
+    grads = recompute.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
                             shard, common)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
@@ -143,8 +143,10 @@ def _setup_context(ctx, inputs, output):
                     o["return_lse"], o["chunk_bytes"], o["strategy"])
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])  # what the forward op was told
     # The loss and the lse carry gradients; the metric sums (argmax and entropy counts, forward-only
-    # statistics) and the internal outputs do not, and autograd says so (requires_grad=False).
-    ctx.mark_non_differentiable(output[1], output[3], *output[4:])
+    # statistics) and the lse's internal form do not, and autograd says so (requires_grad=False).
+    # The chunked path's gradients stay differentiable outputs: differentiating the gradient they
+    # become (a gradient penalty) must reach ``scale_gradients`` and raise there, not see a constant.
+    ctx.mark_non_differentiable(output[1], output[3])
     ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, ctx.computed)
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
