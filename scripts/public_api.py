@@ -3,7 +3,8 @@
 
 The surface is the package's `__all__` (torch-ext/fused_linear_ce, imported as tests/conftest.py does)
 and, for each name there: a function's parameters (name, kind, default); a module's public functions
-(same), classes and UPPER_CASE constants. It is committed as tests/public_api.json together with the
+(same), classes (those defined there, or re-exported and listed in its `__all__`) and UPPER_CASE
+constants. It is committed as tests/public_api.json together with the
 `version` of metadata.json it belongs to; tests/packaging/test_public_api.py fails when the code and the file
 disagree.
 
@@ -54,10 +55,11 @@ def describe_function(fn) -> dict:
 def describe(obj, *, depth: int = 0) -> dict:
     if isinstance(obj, types.ModuleType) and depth == 0:
         members = {}
+        exported = getattr(obj, "__all__", ())  # a name re-exported from another module is listed there
         for name, value in sorted(vars(obj).items()):
             if name.startswith("_") or isinstance(value, types.ModuleType):
                 continue
-            defined_here = getattr(value, "__module__", None) == obj.__name__
+            defined_here = getattr(value, "__module__", None) == obj.__name__ or name in exported
             if (inspect.isfunction(value) or inspect.isclass(value)) and defined_here:
                 members[name] = describe(value, depth=1)
             elif name.isupper():

@@ -54,7 +54,7 @@ def cases() -> list[Case]:
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=True)
     forward = dict(logit, METRICS=False, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
-                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, EMULATE_ROUNDING=False, GROUP_M=0,
+                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, GROUP_M=0,
                    SKIP_IGNORED=True)
     descs = dict(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
     backward = dict(logit, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
@@ -66,24 +66,24 @@ def cases() -> list[Case]:
                   GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
                   INPUT_PRECISION="tf32", TMA=True, B_T=False)
     return [
-        Case("sweep", "lse_sweep_kernel", "forward_kernels", forward, descs, sweep.num_warps, sweep.num_stages),
-        Case("sweep, ragged V", "lse_sweep_kernel", "forward_kernels", dict(forward, EVEN_V=False), descs,
+        Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
+        Case("sweep, ragged V", "lse_sweep_kernel", "sweep", dict(forward, EVEN_V=False), descs,
              sweep.num_warps, sweep.num_stages),
-        Case("sweep, metrics", "lse_sweep_kernel", "forward_kernels", dict(forward, METRICS=True), descs,
+        Case("sweep, metrics", "lse_sweep_kernel", "sweep", dict(forward, METRICS=True), descs,
              sweep.num_warps, sweep.num_stages),
-        Case("sweep, metrics, ragged V", "lse_sweep_kernel", "forward_kernels",
+        Case("sweep, metrics, ragged V", "lse_sweep_kernel", "sweep",
              dict(forward, METRICS=True, EVEN_V=False), descs, sweep.num_warps, sweep.num_stages),
-        Case("chunked sweep", "lse_sweep_kernel", "forward_kernels",
+        Case("chunked sweep", "lse_sweep_kernel", "sweep",
              dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
                   STORE_E=True, E_TMA=True,
                   GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps, chunked.num_stages),
-        Case("dlogits", "dlogits_kernel", "backward_kernels", dict(backward, HAS_BIAS=False, BIAS_GRAD=False),
+        Case("dlogits", "dlogits_kernel", "recompute", dict(backward, HAS_BIAS=False, BIAS_GRAD=False),
              dlogits_descs, dlogits.num_warps, dlogits.num_stages),
-        Case("dlogits, bias gradient", "dlogits_kernel", "backward_kernels",
+        Case("dlogits, bias gradient", "dlogits_kernel", "recompute",
              dict(backward, HAS_BIAS=True, BIAS_GRAD=True), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
-        Case("matmul, da^T", "matmul_kernel", "backward_kernels", dict(matmul, A_T=True),
+        Case("matmul, da^T", "matmul_kernel", "products", dict(matmul, A_T=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
-        Case("matmul", "matmul_kernel", "backward_kernels", dict(matmul, A_T=False),
+        Case("matmul", "matmul_kernel", "products", dict(matmul, A_T=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
     ]
 

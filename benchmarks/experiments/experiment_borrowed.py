@@ -19,11 +19,12 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tune.py, bench.py
 from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
+from fused_linear_ce import plan as planning  # noqa: E402
 
 from experiment_common import MiB, kernel_times, measure, parse_args, problems, write_results  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
-PLANNER = configs.plan_passes
+PLANNER = planning.plan_passes
 
 
 def forced(kind):
@@ -32,7 +33,7 @@ def forced(kind):
     def plan(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw):
         passes = PLANNER(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw)
         budget = configs.chunk_budget(chunk_bytes)
-        cols = configs._vocab_cols(budget // dtype.itemsize, n, block_v)
+        cols = planning._vocab_cols(budget // dtype.itemsize, n, block_v)
         if kind == "borrowed" and configs.borrows_weight_grad(n, v, dtype):
             return (configs.BackwardPlan(n, cols, True, False, borrowed=True),)
         if kind == "two-pass" and passes[0].borrowed:
@@ -60,10 +61,10 @@ def main():
         mm = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=20, rep=100)
         seen = {}
         for name, (fn, kind) in variants.items():
-            configs.plan_passes = forced(kind) if kind in ("two-pass", "borrowed") else PLANNER
+            planning.plan_passes = forced(kind) if kind in ("two-pass", "borrowed") else PLANNER
             if kind != "peer":
                 cfg = configs.dlogits_config(torch.bfloat16)
-                plan = configs.plan_passes(n, v, h, torch.bfloat16, int(name.split("M")[0]) * MiB, cfg.block_n,
+                plan = planning.plan_passes(n, v, h, torch.bfloat16, int(name.split("M")[0]) * MiB, cfg.block_n,
                                            cfg.block_v, True, True)
                 key = tuple(plan)
                 if key in seen:  # the same plan as an earlier variant: not timed twice
@@ -80,7 +81,7 @@ def main():
             except Exception as exc:
                 rows.append(dict(shape=shape, name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             print(rows[-1], flush=True)
-        configs.plan_passes = PLANNER
+        planning.plan_passes = PLANNER
 
         if shape == "S1":
             kernels["S1-64M-planner"] = kernel_times(lambda: step(variants["64M-planner"][0]))

@@ -20,13 +20,13 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tune.py, bench.py
-from fused_linear_ce import configs, fused_linear_cross_entropy  # noqa: E402
+from fused_linear_ce import configs, fused_linear_cross_entropy, plan  # noqa: E402
 
 from tune import problem  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936),
           "S4": (65536, 4096, 128256)}
-REAL = configs.vocab_splits
+REAL = plan.vocab_splits
 
 
 def main():
@@ -43,7 +43,7 @@ def main():
         current = REAL(blocks, tiles, hidden.device)
         choices = sorted({current, 1, 2, 3, 4, 6, 8, 16, 33, 66})
         for s in choices:
-            configs.vocab_splits = lambda b, t, d, s=s: min(s, t)
+            plan.vocab_splits = lambda b, t, d, s=s: min(s, t)
             ms = triton.testing.do_bench(lambda: fused_linear_cross_entropy(hidden, weight, targets),
                                          warmup=5, rep=50)
             per = triton.cdiv(tiles, s)
@@ -51,7 +51,7 @@ def main():
             rows.append(dict(shape=shape, splits=s, current=s == current, fwd_ms=ms, matmul_ms=mm,
                              model=waves * per, ideal=blocks * tiles / sms))
             print(rows[-1], flush=True)
-        configs.vocab_splits = REAL
+        plan.vocab_splits = REAL
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, sms=sms)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import configs
+from . import configs, plan
 from .configs import TileConfig
 
 REPS = 3
@@ -79,7 +79,7 @@ def tiles(role: str, hidden: torch.Tensor, v: int, run, budget=None, shard=None,
     candidates = configs.candidates(role, hidden.dtype, h)
     if len(candidates) == 1:
         return candidates[0]  # nothing to choose (fp32 on the GPU)
-    key = (role, hidden.dtype, n, h, v, configs.chunk_budget(budget), str(hidden.device), tuple(variant))
+    key = (role, hidden.dtype, n, h, v, plan.chunk_budget(budget), str(hidden.device), tuple(variant))
     if key not in _chosen:
         measured, last_error = [], None
         for cfg in candidates:

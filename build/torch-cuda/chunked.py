@@ -1,7 +1,7 @@
 """The chunked path: the gradients are computed in the forward, three products instead of four.
 
 For "mean" and "sum" the upstream gradient is one scalar g, so the logits' gradient is known up to
-g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
+g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.chunk_rows``):
 
 1. the sweep (``lse_sweep_kernel``, one tile per split, STORE_E) computes each logit tile once in
    fp32 and writes ``exp(z - m_tile)`` into the chunk's (R, V) buffer, with the per-tile statistics;
@@ -15,16 +15,30 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``configs.chunk_rows``):
 
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). Sums across chunks
 go through an fp32 buffer (grad_weight: V x H when there is more than one chunk), as in the
-recompute path. The logits are never rounded before the softmax; see ``gradient_kernels.py`` for
-the rounding of da.
+recompute path. The logits are never rounded before the softmax.
+
+The rounding of da (``softmax_gradient_kernel``): the sweep leaves, for every element of a chunk of
+rows, ``e = exp(z - m_tile)`` rounded to the buffer's dtype, where
+``m_tile`` is the max of its (BLOCK_N, BLOCK_V) tile; with a softcap ``e`` already carries the
+softcap's derivative ``1 - (z / c)^2``. Once the rows' log-sum-exp is known,
+
+    p = e * exp((m_tile - m) - log_sum)          (m, log_sum: the row's, so lse = m + log_sum)
+    da = logit_scale * (A p - B onehot - C w)    (losses.py; the target entry from the exact z_t)
+
+The target entry, where cancellation would matter most (p_t near 1 on a trained model), is not taken
+from the rounded ``e``: it is ``(A exp(z_t - lse) - B) * softcap'(z_t)`` from the fp32 target logit
+the sweep kept. Every other entry is rounded twice (``e``, then ``da``): at most 2^-8 relative in
+bf16, against 2^-9 for a single rounding; its logit itself was never rounded. fp16 keeps ``e`` in
+fp16: subnormal below 6e-5 of the tile max, an absolute error under 3e-8 of the tile's largest entry.
 """
 
 import torch
 import triton
+import triton.language as tl
 
-from . import autotune, configs, launch, losses, parallel, products
-from .gradient_kernels import softmax_gradient_kernel
-from .launch import RowStats, _new
+from . import autotune, device, losses, parallel, plan, products, sweep
+from .logits import label_terms, softcap_grad, store_dlogits
+from .sweep import RowStats
 from .validate import Options, chunked_unsupported
 
 
@@ -36,7 +50,7 @@ def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs) -> bool:
         return False
     if opts.strategy == "chunked":
         return True
-    return chunked_unsupported(opts) is None and n * v * dtype.itemsize <= configs.chunk_budget(opts.chunk_bytes)
+    return chunked_unsupported(opts) is None and n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,49 +66,49 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     kernel's tiles, else the table's or, with autotuning on, the fastest for this shape."""
     n, h = hidden.shape
     v = weight.shape[0]
-    dtype, device = hidden.dtype, hidden.device
+    dtype, where = hidden.dtype, hidden.device
     if n == 0:
-        stats = launch.sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
-        out = dict(dtype=unit_dtype(dtype), device=device)
+        stats = sweep.sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
+        out = dict(dtype=unit_dtype(dtype), device=where)
         zeros = (torch.zeros((0, h), **out) if need_dx else None, torch.zeros((v, h), **out) if need_dw else None,
-                 torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None)
+                 torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
         return (stats, *zeros)
     if cfg is None:
         cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
             hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c),
             opts.chunk_bytes, shard,
-            variant=launch.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
-    rows = configs.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
+            variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
+    rows = plan.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
     n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
-    one = torch.ones((), device=device)
+    one = torch.ones((), device=where)
     g_ce, g_z, common = losses.upstream(one if divisor is None else one / divisor, None, weights, opts)
 
     # The unit gradients are kept in the input dtype, except for fp16: its gradients are often
     # subnormal (a mean over many rows) and the backward's multiplication by g would round them a
     # second time there, so fp16 keeps them in fp32 until the backward.
     out_dtype = unit_dtype(dtype)
-    grad_hidden = _new((n, h), out_dtype, device) if need_dx else None
+    grad_hidden = device.new((n, h), out_dtype, where) if need_dx else None
     dx_acc = grad_hidden
     if need_dx and shard is not None and out_dtype != torch.float32:
-        dx_acc = _new((n, h), torch.float32, device)  # summed over ranks in fp32
+        dx_acc = device.new((n, h), torch.float32, where)  # summed over ranks in fp32
     grad_weight = dw_acc = None
     if need_dw:
-        grad_weight = _new((v, h), out_dtype, device)
-        dw_acc = _new((v, h), torch.float32, device) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
-    db_acc = torch.zeros((v,), dtype=torch.float32, device=device) if need_db else None
+        grad_weight = device.new((v, h), out_dtype, where)
+        dw_acc = device.new((v, h), torch.float32, where) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
+    db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
     # subnormal, an absolute error under 3e-8 of the tile's largest entry).
-    buffer = _new((rows, v), dtype, device)
+    buffer = device.new((rows, v), dtype, where)
     n_row_blocks = triton.cdiv(rows, cfg.block_n)
-    dbias = _new((n_row_blocks, v), torch.float32, device) if need_db else None
+    dbias = device.new((n_row_blocks, v), torch.float32, where) if need_db else None
     parts = []
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
         e = buffer[:r]
-        stats, tile_stats = launch.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg)
+        stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg)
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)
@@ -103,7 +117,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         coef, chunk_common = losses.normalize(coef, common)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
-            coef, chunk_unscale = launch.lift_fp16(coef, chunk_unscale, class_weight, opts.logit_scale)
+            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.logit_scale)
         da = e  # in place
         softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
             e, da, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
@@ -112,15 +126,15 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             float(opts.softcap) if opts.softcap is not None else 1.0, shard.offset if shard is not None else 0,
             HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
             HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=need_db,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, EMULATE_ROUNDING=configs.interpreted(),
-            num_warps=8 if not configs.interpreted() else 1,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(dtype),
+            num_warps=8 if not device.interpreted() else 1,
         )
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
         if need_dw:
             products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
         if need_db:
-            launch.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
+            products.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 
     if need_dx and shard is not None:
         parallel.all_reduce(dx_acc, shard)
@@ -130,3 +144,72 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         grad_weight.copy_(dw_acc)
     grad_bias = db_acc if need_db else None  # (V,) fp32: cheap, and rounded once, in the backward
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias
+
+
+@triton.jit
+def softmax_gradient_kernel(
+    e_ptr,  # (R, V) in: exp(z - m_tile) [* softcap'(z)], the input dtype
+    da_ptr,  # (R, V) out, the input dtype; the same memory as e_ptr (in place)
+    tile_max_ptr,  # (T, R) fp32: each tile's row max m_tile (plane 0 of the sweep's statistics)
+    lse_ptr,  # (2, N) fp32: row max m and log-sum (rows row0 .. row0 + R of them)
+    coef_ptr,  # (3, R) fp32: A, B, C of the chunk's rows
+    z_target_ptr,  # (N,) fp32: the target logit (0 when another shard holds it, NaN out of range)
+    targets_ptr,  # (N,) int32/int64
+    class_weight_ptr,  # (V,) fp32 when HAS_CLASS_WEIGHT, else dummy
+    dbias_ptr,  # (cdiv(R, BLOCK_N), V) fp32 out: per-row-block column sums of da, when BIAS_GRAD
+    row0,
+    R,
+    V,
+    N,
+    stride_e,
+    stride_da,
+    stride_t,
+    logit_scale,
+    softcap,
+    vocab_offset,
+    HAS_SOFTCAP: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BF16_EMULATION: tl.constexpr,
+):
+    """Grid (cdiv(R, BLOCK_N), cdiv(V, BLOCK_V)): the sweep's own tiles, so one m_tile per row.
+    Memory-bound: reads and writes the chunk once. No atomics."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    local_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = local_n < R
+    local = tl.where(mask_n, local_n, 0)
+    rows = row0 + local
+    offs_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    mask = mask_n[:, None] & mask_v[None, :]
+
+    e = tl.load(e_ptr + local[:, None] * stride_e + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    m_tile = tl.load(tile_max_ptr + pid_v.to(tl.int64) * R + local)
+    row_max = tl.load(lse_ptr + rows)
+    log_sum = tl.load(lse_ptr + N + rows)
+    coef_a = tl.load(coef_ptr + local)
+    coef_b = tl.load(coef_ptr + R + local)
+    target = tl.load(targets_ptr + rows * stride_t).to(tl.int64)
+    z_t = tl.load(z_target_ptr + rows)
+
+    factor = tl.exp((m_tile - row_max) - log_sum)
+    # A row whose A is 0 (an ignored row) gets 0 whatever its e holds: the sweep leaves e unwritten
+    # where a whole row block is ignored (SKIP_IGNORED). The load is not skipped there: a branch
+    # around it halves this kernel's rate.
+    d = tl.where(coef_a[:, None] == 0.0, 0.0, (coef_a * factor)[:, None] * e)
+    # The target entry, exactly: (A p_t - B) softcap'(z_t), p_t from the fp32 target logit.
+    p_t = tl.exp((z_t - row_max) - log_sum)
+    d_t = coef_a * p_t - coef_b
+    if HAS_SOFTCAP:
+        d_t = d_t * softcap_grad(z_t, softcap)
+    is_target = offs_v[None, :] + vocab_offset == target[:, None]
+    d = tl.where(is_target, d_t[:, None], d)
+    # Smoothing never comes with a softcap on this path (the host routes that to the recompute path).
+    d = label_terms(d, coef_b, coef_ptr + 2 * R + local, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
+    d = d * logit_scale
+    store_dlogits(d, da_ptr + local_n[:, None] * stride_da + offs_v[None, :], mask, mask_v,
+                  dbias_ptr + pid_n.to(tl.int64) * V + offs_v, BIAS_GRAD, BF16_EMULATION)

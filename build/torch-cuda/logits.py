@@ -115,7 +115,7 @@ def logit_tile(
 ):
     """Returns z for a (BLOCK_N, BLOCK_V) tile as fp32.
 
-    TMA (the launcher's choice where the layout allows it, ``configs.tma_layout``): both operands
+    TMA (the launcher's choice where the layout allows it, ``device.tma_layout``): both operands
     come through tensor descriptors, which fill rows, classes and H columns past the end with 0
     (out-of-range lanes are masked by the caller). Else pointer loads: rows and columns come
     clamped, so the loads need no row/column masks (out-of-range lanes recompute a valid row);
@@ -189,9 +189,9 @@ def label_terms(d, coef_b, coef_c_ptrs, class_weight_ptr, offs_v, mask_v, SMOOTH
 
 
 @triton.jit
-def store_dlogits(d, out_ptrs, mask, mask_v, dbias_ptrs, BIAS_GRAD: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+def store_dlogits(d, out_ptrs, mask, mask_v, dbias_ptrs, BIAS_GRAD: tl.constexpr, BF16_EMULATION: tl.constexpr):
     """Stores the fp32 da tile rounded once to the output's dtype, and with BIAS_GRAD its column
     sums (fp32, from the unrounded values) to the tile's own row of the bias partial sums."""
-    tl.store(out_ptrs, round_to(d, out_ptrs.dtype.element_ty, EMULATE_ROUNDING), mask=mask)
+    tl.store(out_ptrs, round_to(d, out_ptrs.dtype.element_ty, BF16_EMULATION), mask=mask)
     if BIAS_GRAD:
         tl.store(dbias_ptrs, tl.sum(tl.where(mask, d, 0.0), axis=0), mask=mask_v)

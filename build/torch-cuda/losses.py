@@ -183,6 +183,24 @@ def normalize(coef: torch.Tensor, common):
     return coef / s, s if common is None else common * s
 
 
+def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float):
+    """(coef, unscale) with da lifted out of fp16's subnormal range by a power of two: the
+    coefficients times it, ``unscale`` (an fp32 (1,) tensor, or None for 1) times its inverse.
+
+    da = logit_scale * (A p - B onehot - C w) * softcap', with p and softcap' at most 1, so
+    |da| <= |logit_scale| (|A| + |B| + |C| max|w|). At real sizes p ~ 1/V and A ~ 1/count put most
+    entries below fp16's smallest normal (6e-5), where they lose precision or vanish (plain torch
+    loses them too). Scaling so that the largest possible entry is 2^14 keeps them normal; the
+    products divide by the same power of two, exactly."""
+    w_max = class_weight.abs().amax() if class_weight is not None else 1.0
+    peak = (coef[0].abs() + coef[1].abs() + coef[2].abs() * w_max).amax() * abs(logit_scale)
+    k = (14.0 - torch.ceil(torch.log2(peak))).clamp(-60.0, 60.0)
+    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero or non-finite gradients
+    lift = torch.exp2(k)
+    inverse = (1.0 / lift).reshape(1)
+    return coef * lift, inverse if unscale is None else unscale * inverse
+
+
 def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):
     """The (3, N) coefficients of every row and the common factor (``upstream``), ``normalize``d;
     not with a returned lse's gradient, which is added to A on its own scale (A / B could

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import interpreted
+from .device import interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")

@@ -81,8 +81,8 @@ def test_interpreter_bf16_dot_is_still_wrong_so_the_upcast_is_needed():
 
 
 def test_emulation_switch_is_set_exactly_for_bf16_under_the_interpreter():
-    from fused_linear_ce import products
+    from fused_linear_ce import device
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        flag = products.dot_flags(dtype)["BF16_EMULATION"]
+        flag = device.dot_flags(dtype)["BF16_EMULATION"]
         assert flag == (configs.interpreted() and dtype == torch.bfloat16)

@@ -9,7 +9,7 @@ grad_weight waits for grad_hidden)."""
 import pytest
 import torch
 
-from fused_linear_ce import configs, launch
+from fused_linear_ce import configs, plan, recompute
 
 
 @pytest.mark.parametrize("n,h,v", [(77, 96, 500), (160, 96, 1000), (3, 5, 7), (8, 33, 17)])
@@ -17,7 +17,7 @@ from fused_linear_ce import configs, launch
 def test_view_lies_in_the_last_bytes_of_grad_weight_aligned(n, h, v, dtype):
     assert configs.borrows_weight_grad(n, v, dtype)
     grad_weight = torch.zeros((v, h), dtype=dtype)
-    acc, first_row = launch._borrow_accumulator(grad_weight, n, h)
+    acc, first_row = recompute._borrow_accumulator(grad_weight, n, h)
     assert acc.dtype == torch.float32 and acc.shape == (n, h) and acc.is_contiguous()
     begin = acc.data_ptr() - grad_weight.data_ptr()
     assert begin % 16 == 0 and begin >= 0
@@ -33,7 +33,7 @@ def test_view_lies_in_the_last_bytes_of_grad_weight_aligned(n, h, v, dtype):
 @pytest.mark.parametrize("v,cols,first", [(500, 256, 346), (1000, 256, 680), (1000, 256, 0), (256, 256, 100),
                                           (128256, 4096, 128256 - 16384), (7, 3, 5)])
 def test_block_order_covers_the_vocabulary_once_and_ends_whole(v, cols, first):
-    clear, over = launch._borrowed_order(v, cols, first)
+    clear, over = plan.borrowed_order(v, cols, first)
     blocks = clear + over
     covered = torch.zeros(v, dtype=torch.int32)
     for col0, c in blocks:

@@ -17,7 +17,7 @@ import torch
 
 from cases import Case, check_three_way, make_inputs, ours, plain
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import configs, launch
+from fused_linear_ce import configs, device, sweep
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -117,7 +117,7 @@ def test_pointer_loads_match_float64_reference(case, monkeypatch):
         if isinstance(value, (configs.TileConfig, configs.MatmulConfig)):
             monkeypatch.setattr(configs, name, dataclasses.replace(value, tma=False))
     hidden, weight, _, _ = make_inputs(case)
-    assert not launch._descriptors(hidden, weight, configs.sweep_config(case.dtype))[2]
+    assert not device.logit_descriptors(hidden, weight, configs.sweep_config(case.dtype))[2]
     check_three_way(case)
 
 
@@ -129,14 +129,14 @@ def test_tma_descriptors_where_the_layout_allows(dtype):
     weight = torch.randn(300, 48, device=DEVICE).to(dtype)
     cfg = configs.sweep_config(dtype)
     assert configs.tma_layout(hidden) and configs.tma_layout(weight)
-    assert launch._descriptors(hidden, weight, cfg)[2] == cfg.tma
+    assert device.logit_descriptors(hidden, weight, cfg)[2] == cfg.tma
     assert cfg.tma == (dtype != torch.float32 or not ON_GPU)
     short = torch.randn(20, 36 if dtype != torch.float32 else 34, device=DEVICE).to(dtype)
     assert not configs.tma_layout(short)
     assert not configs.tma_layout(hidden[:, ::2])
     assert not configs.tma_layout(torch.randn(20 * 48 + 1, device=DEVICE).to(dtype)[1:].view(20, 48))
     assert not configs.tma_layout(hidden[:0])
-    assert not launch._descriptors(short, weight[:, :short.shape[1]], cfg)[2]
+    assert not device.logit_descriptors(short, weight[:, :short.shape[1]], cfg)[2]
 
 
 @pytest.mark.parametrize("v, e_tma", [(1000, True), (500, False)])
@@ -147,13 +147,13 @@ def test_chunked_sweep_stores_through_a_descriptor_where_the_layout_allows(v, e_
     if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
     launches = []
-    real = launch.lse_sweep_kernel
+    real = sweep.lse_sweep_kernel
 
     class Spy:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs["E_TMA"]) or real[grid](*args, **kwargs)
 
-    monkeypatch.setattr(launch, "lse_sweep_kernel", Spy())
+    monkeypatch.setattr(sweep, "lse_sweep_kernel", Spy())
     case = Case(40, 48, v, torch.bfloat16, "mean", ignored=0.2, extra=dict(strategy="chunked"))
     check_three_way(case)
     assert launches and set(launches) == {e_tma}
@@ -163,13 +163,13 @@ def test_chunked_sweep_stores_through_a_descriptor_where_the_layout_allows(v, e_
 def test_tma_descriptors_only_with_tma_hardware(major, monkeypatch):
     """A CUDA GPU below compute capability 9.0 (no TMA hardware) keeps the pointer loads."""
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(configs, "_capability", lambda index: (major, 0))
+    monkeypatch.setattr(device, "_capability", lambda index: (major, 0))
     assert configs.tma_hardware(torch.device("cuda", 0)) is (major >= 9)
     hidden = torch.randn(20, 48, device=DEVICE).to(torch.bfloat16)
     weight = torch.randn(300, 48, device=DEVICE).to(torch.bfloat16)
     cfg = dataclasses.replace(configs.sweep_config(torch.bfloat16), tma=True)
-    monkeypatch.setattr(configs, "tma_hardware", lambda device: major >= 9)
-    assert launch._descriptors(hidden, weight, cfg)[2] is (major >= 9)
+    monkeypatch.setattr(device, "tma_hardware", lambda device: major >= 9)
+    assert device.logit_descriptors(hidden, weight, cfg)[2] is (major >= 9)
 
 
 def test_fp16_gradient_of_logits_is_kept_out_of_the_subnormal_range():

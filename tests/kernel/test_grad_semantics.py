@@ -1,13 +1,13 @@
 """Gradient semantics: accumulation into existing ``.grad``, gradients (and their products)
 only for inputs that require them, forward-only under ``no_grad`` / ``inference_mode``, and a clear
-error on double backward. Spies on ``launch``, ``chunked`` and ``products`` record which kernels and products actually run."""
+error on double backward. Spies on ``sweep``, ``recompute``, ``chunked`` and ``products`` record which kernels and products actually run."""
 
 import pytest
 import torch
 
 from cases import Case, make_inputs
 from conftest import DEVICE
-from fused_linear_ce import chunked, fused_linear_cross_entropy, launch, products
+from fused_linear_ce import chunked, fused_linear_cross_entropy, products, recompute, sweep
 
 LEAVES = ("hidden", "weight", "bias")
 
@@ -69,7 +69,7 @@ def spies(monkeypatch):
     """Records which gradient product runs ("dx": da @ weight, "dw": da^T @ hidden) and each launch
     of the kernels that form da (the recompute path's dlogits, the chunked path's in-place one)
     with its BIAS_GRAD flag."""
-    dlogits = _KernelSpy(launch.dlogits_kernel)
+    dlogits = _KernelSpy(recompute.dlogits_kernel)
     in_place = _KernelSpy(chunked.softmax_gradient_kernel)
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", in_place)
 
@@ -85,7 +85,7 @@ def spies(monkeypatch):
     products_run = []
     for name in ("matmul", "direct", "accumulate", "rows_product"):
         spy(name)
-    monkeypatch.setattr(launch, "dlogits_kernel", dlogits)
+    monkeypatch.setattr(recompute, "dlogits_kernel", dlogits)
     return products_run, dlogits, in_place
 
 
@@ -129,7 +129,7 @@ def test_no_input_requiring_grad_gives_a_loss_without_graph(strategy, spies):
 def forward_only(monkeypatch):
     """Counts forward sweeps; fails the test if the backward is entered."""
     calls = []
-    real_forward = launch.forward
+    real_forward = sweep.forward
 
     def forward(*args, **kwargs):
         calls.append(1)
@@ -138,8 +138,8 @@ def forward_only(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the backward ran under no_grad / inference_mode")
 
-    monkeypatch.setattr(launch, "forward", forward)
-    monkeypatch.setattr(launch, "backward", refuse)
+    monkeypatch.setattr(sweep, "forward", forward)
+    monkeypatch.setattr(recompute, "backward", refuse)
     return calls
 
 

@@ -12,7 +12,7 @@ import torch
 
 from cases import Case, check_three_way, make_inputs
 from conftest import ON_GPU, reference, rel_err
-from fused_linear_ce import autotune, backward_kernels, forward_kernels, fused_linear_cross_entropy, launch
+from fused_linear_ce import autotune, fused_linear_cross_entropy, recompute, sweep
 from fused_linear_ce.validate import Options
 
 # Every kernel's BLOCK_N in the tuned table divides it (CPU tiles: 16 rows; GPU: 64 or 128), so rows
@@ -75,11 +75,11 @@ def test_the_sweep_leaves_neutral_statistics_in_skipped_blocks():
     case = Case(N, 48, 300, torch.bfloat16)
     hidden, weight, _, targets = blocky(case)
     expected = torch.logsumexp(hidden.double() @ weight.double().t(), dim=1)
-    skipped = launch.forward(hidden, weight, targets, None, None, Options())
+    skipped = sweep.forward(hidden, weight, targets, None, None, Options())
     assert torch.equal(skipped.lse2[:, B : 3 * B], torch.zeros_like(skipped.lse2[:, B : 3 * B]))
     assert rel_err(skipped.lse[3 * B : 3 * B + 4], expected[3 * B : 3 * B + 4]) < 1e-5  # partly ignored
     assert rel_err(skipped.lse[:B], expected[:B]) < 1e-5
-    kept = launch.forward(hidden, weight, targets, None, None, Options(return_lse=True))
+    kept = sweep.forward(hidden, weight, targets, None, None, Options(return_lse=True))
     assert rel_err(kept.lse, expected) < 1e-5
 
 
@@ -141,7 +141,7 @@ def test_ignored_blocks_compute_no_logit_tile(strategy, chunk_bytes, monkeypatch
     dead = 3
 
     def tiles(t):
-        fwd, bwd = _Counter(forward_kernels, monkeypatch), _Counter(backward_kernels, monkeypatch)
+        fwd, bwd = _Counter(sweep, monkeypatch), _Counter(recompute, monkeypatch)
         h = hidden.detach().clone().requires_grad_(True)
         w = weight.detach().clone().requires_grad_(True)
         loss = fused_linear_cross_entropy(h, w, t, chunk_bytes=chunk_bytes, strategy=strategy)
@@ -171,7 +171,7 @@ def test_a_zero_upstream_gradient_computes_no_backward_tile(monkeypatch):
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     loss = fused_linear_cross_entropy(h, w, targets, reduction="none", strategy="recompute")
-    bwd = _Counter(backward_kernels, monkeypatch)
+    bwd = _Counter(recompute, monkeypatch)
     loss.backward(torch.zeros_like(loss))
     assert bwd.calls == 0
     assert torch.equal(h.grad, torch.zeros_like(h.grad)) and torch.equal(w.grad, torch.zeros_like(w.grad))

@@ -2,7 +2,7 @@
 (N=4096 tokens, H=2048, V=32000, bf16) leave ``torch.cuda.memory_allocated()`` exactly where it
 started, and the peak over them stays within the documented bound for the chosen ``chunk_bytes``.
 
-The bound, from the code (``launch.py``, ``ops.py``, ``losses.py``), above the inputs themselves:
+The bound, from the code (``sweep.py``, ``recompute.py``, ``chunked.py``, ``ops.py``, ``losses.py``), above the inputs themselves:
 - the gradients being returned: N x H + V x H in the input dtype;
 - the largest ``extra_bytes`` of ``configs.plan_passes(...)``: the da block (rows x cols, input
   dtype) plus the fp32 accumulator of whichever gradient is summed over blocks (N x H or V x H; none
@@ -36,7 +36,7 @@ import triton
 
 from conftest import ON_GPU
 from fused_linear_ce import configs, fused_linear_cross_entropy
-from fused_linear_ce.forward_kernels import NUM_STATS
+from fused_linear_ce.sweep import NUM_STATS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (memory statistics)")]
 

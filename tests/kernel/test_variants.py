@@ -142,9 +142,9 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_variant_arguments_raise(name, monkeypatch):
-    from fused_linear_ce import launch
+    from fused_linear_ce import sweep
 
-    monkeypatch.setattr(launch, "forward", lambda *a, **k: pytest.fail("kernel ran"))
+    monkeypatch.setattr(sweep, "forward", lambda *a, **k: pytest.fail("kernel ran"))
     kw, exc, message = BAD[name]
     kw = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and not v.requires_grad else v) for k, v in kw.items()}
     hidden, weight, _, targets = make_inputs(Case(4, 8, 10))

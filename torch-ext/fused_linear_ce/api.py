@@ -4,7 +4,7 @@ import torch
 
 from dataclasses import replace
 
-from . import ops, parallel
+from . import ops
 from .validate import Options, check_flag, check_inputs, check_process_group
 
 
@@ -157,7 +157,7 @@ def fused_linear_cross_entropy(
         else:  # a fill, not a host-to-device copy: no sync, and CUDA-graph capturable
             divisor = torch.full((), float(num_items_in_batch), device=hidden.device)
     rows = hidden.reshape(targets.numel(), hidden.shape[-1])  # not reshape(-1, H): H may be 0
-    loss, sums, lse, *_ = ops.apply(rows, weight, bias, targets.reshape(-1), class_weight, opts, process_group, divisor)
+    loss, sums, lse, *_ = ops.apply(rows, weight, targets.reshape(-1), bias, class_weight, opts, process_group, divisor)
     if reduction == "none":
         loss = loss.reshape(lead)
     out = [loss]

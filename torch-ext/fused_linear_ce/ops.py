@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, launch, losses, parallel, products
+from . import chunked, losses, parallel, products, recompute, sweep
 from .validate import Options
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
@@ -45,6 +45,22 @@ def _options(scalars_: Optional[torch.Tensor], ignore_index, has_softcap, reduct
                    z_loss=z_loss, return_lse=return_lse, chunk_bytes=chunk_bytes, strategy=strategy)
 
 
+# The forward op's arguments after ``scalars``, in order (``apply`` packs them, ``_forward_call`` unpacks).
+_OPTION_NAMES = ("ignore_index", "has_softcap", "reduction", "return_metrics", "smoothing", "return_lse",
+                 "chunk_bytes", "strategy", "group_id", "need_dx", "need_dw", "need_db")
+
+
+def _forward_call(scalars_: Optional[torch.Tensor], hidden, weight, options: tuple):
+    """The forward op's options unpacked, and its path decided, in one place for the three that need
+    them (the op, its fake implementation, the autograd context), which share only the op's
+    arguments: (Options, {option name: value}, the gradients wanted, whether the chunked path runs)."""
+    o = dict(zip(_OPTION_NAMES, options))
+    opts = _options(scalars_, o["ignore_index"], o["has_softcap"], o["reduction"], o["return_metrics"], o["smoothing"],
+                    o["return_lse"], o["chunk_bytes"], o["strategy"])
+    needs = (o["need_dx"], o["need_dw"], o["need_db"])
+    return opts, o, needs, chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
 def forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
@@ -61,16 +77,16 @@ def forward(
     ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none.
     ``scalars``: the float options (``scalars``); ``has_softcap`` and ``smoothing`` say whether a
     softcap and label smoothing are on, which the fake implementation needs to pick the path."""
-    opts = _options(scalars, ignore_index, has_softcap, reduction, return_metrics, smoothing, return_lse,
-                    chunk_bytes, strategy)
+    opts, _, needs, takes_chunked = _forward_call(scalars, hidden, weight, (
+        ignore_index, has_softcap, reduction, return_metrics, smoothing, return_lse, chunk_bytes, strategy, group_id,
+        need_dx, need_dw, need_db))
     shard = parallel.shard_for(group_id, weight.shape[0])
     sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
-    needs = (need_dx, need_dw, need_db)
     grads = [None] * 3
-    if chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs):
+    if takes_chunked:
         stats, *grads = chunked.forward(hidden, weight, targets, bias, class_weight, opts, *needs, shard, divisor)
     else:
-        stats = launch.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+        stats = sweep.forward(hidden, weight, targets, bias, class_weight, opts, shard)
     grads = [g if g is not None else hidden.new_empty((0,)) for g in grads]  # distinct outputs
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)
@@ -88,10 +104,9 @@ def _(hidden, weight, bias, targets, class_weight, divisor, scalars_, ignore_ind
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     sums = hidden.new_empty((3,) if return_metrics else (0,), dtype=torch.float32)
-    opts = _options(None, ignore_index, has_softcap, reduction, return_metrics, smoothing, return_lse, chunk_bytes,
-                    strategy)
-    needs = (need_dx, need_dw, need_db)
-    use = chunked.use(opts, n, weight.shape[0], hidden.dtype, needs)
+    _, _, _, use = _forward_call(None, hidden, weight, (
+        ignore_index, has_softcap, reduction, return_metrics, smoothing, return_lse, chunk_bytes, strategy, group_id,
+        need_dx, need_dw, need_db))
     unit = chunked.unit_dtype(hidden.dtype)
     grads = (
         hidden.new_empty(hidden.shape, dtype=unit) if use and need_dx else hidden.new_empty((0,)),
@@ -114,7 +129,7 @@ def backward(
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
-    grads = launch.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
+    grads = recompute.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
                             shard, common)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
@@ -130,24 +145,16 @@ def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, sc
     )
 
 
-_OPTION_NAMES = ("ignore_index", "has_softcap", "reduction", "return_metrics", "smoothing", "return_lse",
-                 "chunk_bytes", "strategy", "group_id", "need_dx", "need_dw", "need_db")
-
-
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, class_weight, divisor, scalars_, *options = inputs
-    ctx.options = dict(zip(_OPTION_NAMES, options))
+    # ctx.computed: the gradients the forward op was told would be wanted.
+    _, ctx.options, ctx.computed, ctx.chunked = _forward_call(None, hidden, weight, tuple(options))
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    o = ctx.options
-    opts = _options(None, o["ignore_index"], o["has_softcap"], o["reduction"], o["return_metrics"], o["smoothing"],
-                    o["return_lse"], o["chunk_bytes"], o["strategy"])
-    ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])  # what the forward op was told
     # The loss and the lse carry gradients; the metric sums (argmax and entropy counts, forward-only
     # statistics) and the lse's internal form do not, and autograd says so (requires_grad=False).
     # The chunked path's gradients stay differentiable outputs: differentiating the gradient they
     # become (a gradient penalty) must reach ``scale_gradients`` and raise there, not see a constant.
     ctx.mark_non_differentiable(output[1], output[3])
-    ctx.chunked = chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, ctx.computed)
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
@@ -202,7 +209,7 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
 forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def apply(hidden, weight, bias, targets, class_weight, opts: Options, group=None, divisor=None):
+def apply(hidden, weight, targets, bias, class_weight, opts: Options, group=None, divisor=None):
     """Calls the forward op with ``opts`` spread into its scalar arguments. Which gradients will be
     wanted is read here (grad mode and requires_grad), for the chunked path."""
     group_id = parallel.register(group) if group is not None else 0

@@ -15,6 +15,9 @@ runs it, and a 16-bit result is rounded once.
 - ``rows_product``: a block of whole vocabulary rows' grad_hidden (few rows, a long V reduction):
   cuBLAS with an fp32 result, scaled once.
 - ``scale``: src * g, fp32 arithmetic, one rounding.
+- ``add_bias_sums``: grad_bias, the column sums of da, from the kernels' per-row-block partial sums.
+
+The kernels: ``matmul_kernel`` (the Triton matmul) and ``scale_kernel``.
 
 No product touches process-wide state: cuBLAS never writes a 16-bit result here, so torch's
 ``allow_bf16/fp16_reduced_precision_reduction`` flags (global, and racy to save, set and restore
@@ -25,34 +28,25 @@ the sums.
 
 import torch
 import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import configs
-from .backward_kernels import matmul_kernel
-from .gradient_kernels import scale_kernel
-
-
-def dot_flags(dtype: torch.dtype) -> dict:
-    """BF16_EMULATION: bf16 under the interpreter, whose tl.dot and fp32->bf16 cast are not the
-    GPU's (see ``logits.round_to`` / ``logits.logit_tile``)."""
-    return dict(
-        BF16_EMULATION=configs.interpreted() and dtype == torch.bfloat16,
-        INPUT_PRECISION=configs.input_precision(dtype),
-    )
+from . import configs, device
+from .logits import grouped_tile, round_to
 
 
 def _transposed(t: torch.Tensor):
-    """False when ``t``'s storage has a layout TMA takes (``configs.tma_layout``), True when its
+    """False when ``t``'s storage has a layout TMA takes (``device.tma_layout``), True when its
     transpose's has, None when neither."""
-    if configs.tma_layout(t):
+    if device.tma_layout(t):
         return False
-    return True if configs.tma_layout(t.t()) else None
+    return True if device.tma_layout(t.t()) else None
 
 
 def _tma_layouts(a: torch.Tensor, b: torch.Tensor, cfg: configs.MatmulConfig):
     """When ``matmul`` loads a and b through TMA descriptors (the config, the GPU and both layouts
     allow it): whether each is read through its transpose's storage (``_transposed``); else None."""
-    if not (cfg.tma and a.shape[1] > 0 and configs.tma_hardware(a.device)):
+    if not (cfg.tma and a.shape[1] > 0 and device.tma_hardware(a.device)):
         return None
     layouts = (_transposed(a), _transposed(b))
     return None if None in layouts else layouts
@@ -70,12 +64,12 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``matmul``'s output (one program a tile, the whole K reduction in each) has fewer tiles
     than half the GPU's SMs: most of the one wave idle behind long K loops. The chunked path's
     grad_hidden of a few hundred rows by the whole vocabulary is one (S2 at 256 MiB: 36 tiles of
-    128 x 256 for 132 SMs, 106 ms against 88 on cuBLAS; NOTES v12). Never on the interpreter."""
+    128 x 256 for 132 SMs, 106 ms against 88 on cuBLAS). Never on the interpreter."""
     if a.device.type != "cuda":
         return False
     cfg = configs.matmul_config(a.dtype)
     tiles = triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
-    return 2 * tiles < configs.sm_count(a.device)
+    return 2 * tiles < device.sm_count(a.device)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
@@ -100,7 +94,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
         TMA=tma, A_T=a_t, B_T=b_t,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_flags(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.dot_flags(a.dtype),
     )
 
 
@@ -155,14 +149,125 @@ def rows_product(da: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, unsc
 
 def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, out=None) -> torch.Tensor:
     """src * g in ``dtype`` (or into ``out``, contiguous rows): fp32 arithmetic, one rounding
-    (``gradient_kernels.scale_kernel``); ``g`` a 0-d or (1,) fp32 device tensor."""
+    (``scale_kernel``); ``g`` a 0-d or (1,) fp32 device tensor."""
     if out is None:
         out = torch.empty(src.shape, dtype=dtype, device=src.device)
     numel = src.numel()
     if numel:
-        block = 4096 if not configs.interpreted() else 1 << 16
+        block = 4096 if not device.interpreted() else 1 << 16
         scale_kernel[(triton.cdiv(numel, block),)](
-            src.contiguous(), out, g, numel, BLOCK=block, EMULATE_ROUNDING=configs.interpreted(),
-            num_warps=8 if not configs.interpreted() else 1,
+            src.contiguous(), out, g, numel, BLOCK=block, BF16_EMULATION=device.bf16_emulation(out.dtype),
+            num_warps=8 if not device.interpreted() else 1,
         )
     return out
+
+
+def add_bias_sums(db_acc: torch.Tensor, dbias: torch.Tensor, rows: int, block_n: int, unscale=None) -> None:
+    """db_acc (fp32, (V,)) += the column sums of da over ``rows`` rows, from the kernels' per-row-block
+    partial sums ``dbias`` ((row blocks, V) fp32), times ``unscale`` when given."""
+    block_sum = dbias[: triton.cdiv(rows, block_n)].sum(0)
+    db_acc += block_sum if unscale is None else block_sum * unscale
+
+
+@triton.jit
+def load_block(desc, row0, col0, TRANSPOSED: tl.constexpr):
+    """The block at (row0, col0) of a matrix whose descriptor is over it (or over its transpose when
+    TRANSPOSED: the stored block at (col0, row0), transposed)."""
+    if TRANSPOSED:
+        return desc.load([col0, row0]).T
+    else:
+        return desc.load([row0, col0])
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr,  # (M, K) any strides
+    b_ptr,  # (K, P) any strides
+    c_ptr,  # (M, P) out; fp32 when ACCUMULATE
+    scale_ptr,  # (1,) fp32: multiplies A @ B when HAS_SCALE (undoes the fp16 da scaling)
+    a_desc,  # TMA: tensor descriptor of A as stored (of A^T when A_T), else unused
+    b_desc,  # TMA: tensor descriptor of B as stored (of B^T when B_T), else unused
+    M,
+    P,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bp,
+    stride_cm,
+    stride_cp,
+    ACCUMULATE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_P: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BF16_EMULATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
+    A_T: tl.constexpr = False,
+    B_T: tl.constexpr = False,
+):
+    """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
+
+    1-D grouped grid over cdiv(M, BLOCK_M) x cdiv(P, BLOCK_P). The whole K reduction stays in the
+    program's fp32 accumulator; ACCUMULATE adds an fp32 C read back (no atomics: one writer per tile).
+    TMA (the launcher's choice, ``products.matmul``): both operands through tensor descriptors over
+    their row-major storage; an operand stored transposed (da^T is da read by columns) loads its
+    (K, M) or (P, K) block and transposes it in shared memory. Blocks past an edge load as 0.
+    Else pointer loads, ragged edges masked, not clamped: clamping hides the contiguity of an
+    operand whose M or P dimension is its contiguous one (da^T, weight), and the loads then lose
+    their vector width.
+    """
+    pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_m = offs_m < M
+    mask_p = offs_p < P
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    a_base = a_ptr + offs_m[:, None] * stride_am
+    b_base = b_ptr + offs_p[None, :] * stride_bp
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if TMA:
+            a = load_block(a_desc, pid_m * BLOCK_M, k * BLOCK_K, A_T)
+            b = load_block(b_desc, k * BLOCK_K, pid_p * BLOCK_P, B_T)
+        else:
+            kk = k * BLOCK_K + offs_k
+            a_ptrs = a_base + kk[None, :] * stride_ak
+            b_ptrs = b_base + kk[:, None] * stride_bk
+            if EVEN_M and EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+            if EVEN_P and EVEN_K:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=(kk[:, None] < K) & mask_p[None, :], other=0.0)
+        if BF16_EMULATION:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp
+    mask = mask_m[:, None] & mask_p[None, :]
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr)
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
+
+
+@triton.jit
+def scale_kernel(src_ptr, out_ptr, g_ptr, numel, BLOCK: tl.constexpr, BF16_EMULATION: tl.constexpr):
+    """out = src * g, computed in fp32 and rounded once to out's dtype; g an fp32 scalar in memory
+    (the upstream gradient, read on the device: no host sync). Grid (cdiv(numel, BLOCK),).
+    torch's ``bf16 * fp32 0-d tensor`` does the same arithmetic through a casting loop at half the
+    memory rate (H200: ~1 ms for a 1 GiB grad_weight)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    g = tl.load(g_ptr)
+    x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, round_to(x * g, out_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)

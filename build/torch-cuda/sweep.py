@@ -1,22 +1,166 @@
-"""Forward: the vocabulary sweep with an online log-sum-exp (math in ``logits.py``).
+"""The forward sweep: per-row log-sum-exp, target logit and optional sums over the vocabulary, O(N)
+memory (the math: ``logits.py``).
 
-Nothing of size (N, V) is written: each program keeps its rows' running statistics in registers
-and writes O(BLOCK_N) numbers per vocabulary split; a second tiny kernel merges the splits.
+Nothing of size (N, V) is written: each program of ``lse_sweep_kernel`` keeps its rows' running
+statistics in registers and writes O(BLOCK_N) numbers per vocabulary split (``plan.vocab_splits``);
+``combine_kernel`` merges the splits. The host side allocates, picks the tiles and launches both; no
+validation (``validate.py``), no autograd (``ops.py``), no host synchronisation: every size comes from
+shapes, never from tensor values.
 
-The chunked path (``chunked.py``) runs the same kernel with one tile per split and STORE_E: each
-tile also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its chunk of rows, which
-``gradient_kernels.py`` then turns into the logits' gradient in place.
+The chunked path (``chunked.py``) runs the same sweep with one tile per split and STORE_E: each tile
+also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its chunk of rows, which
+``chunked.softmax_gradient_kernel`` then turns into the logits' gradient in place.
 """
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import autotune, device, parallel, plan
 from .logits import grouped_tile, logit_tile, round_to, softcap_grad
+from .validate import Options
 
-# Rows of the fp32 partial-statistics tensor written by ``lse_sweep_kernel``, shape (NUM_STATS, SPLIT, N).
-# STAT_WZ is sum_v w[v] z[v] (w = class weights, or 1), which label smoothing needs.
-STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_PZ, STAT_BEST, STAT_WZ = 0, 1, 2, 3, 4, 5
+# Planes of the fp32 partial statistics (NUM_STATS, SPLIT, N) that ``lse_sweep_kernel`` writes: row
+# max, sum of exp(z - max), target logit, sum of exp(z - max) z and best logit (with metrics), and
+# sum_v w[v] z[v] (w = class weights, or 1; with label smoothing).
 NUM_STATS = 6
+# The merge kernel's tile: rows per program x splits per step (memory-bound and small).
+_COMBINE_BLOCK, _COMBINE_SPLITS = 64, 32
+
+
+def tuning_variant(hidden, weight, bias, class_weight, opts: Options, *needs) -> tuple:
+    """What of a call, besides its shape, changes the kernels it builds (the autotuning key's
+    ``variant``): bias, softcap, metrics, label smoothing, class weights, TMA-able layouts, and the
+    gradients wanted (``needs``)."""
+    return (bias is not None, opts.softcap is not None, opts.return_metrics, opts.label_smoothing > 0,
+            class_weight is not None, device.tma_layout(hidden) and device.tma_layout(weight), *needs)
+
+
+def skip_ignored(opts: Options) -> bool:
+    """Whether the sweep skips the logit tiles of row blocks whose rows are all ignored (their
+    statistics are then neutral placeholders): always, unless the per-row lse is returned, which
+    covers ignored rows too."""
+    return not opts.return_lse
+
+
+def bias_args(bias, like):
+    """(pointer, stride) of the bias for the logit kernels: ``like`` and 0 as placeholders without one."""
+    return (bias, bias.stride(0)) if bias is not None else (like, 0)
+
+
+@dataclass
+class RowStats:
+    """Per-row results of the forward sweep, fp32 of shape (N,), for every row (ignored too)."""
+
+    lse2: torch.Tensor  # (2, N): row max m and log sum exp(z - m); see ``lse``
+    z_target: torch.Tensor  # the target's logit; NaN when the target is outside [0, V)
+    wz: torch.Tensor | None  # sum_v w[v] z[v], with label smoothing only
+    entropy: torch.Tensor | None  # with metrics only
+    best: torch.Tensor | None  # with metrics only: the largest logit
+    argmax: torch.Tensor | None  # with metrics only: its global class id (int64)
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.lse2[0] + self.lse2[1]
+
+    @staticmethod
+    def cat(parts: list["RowStats"]) -> "RowStats":
+        """The statistics of consecutive pieces of rows, joined."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def join(name):
+            first = getattr(parts[0], name)
+            return None if first is None else torch.cat([getattr(p, name) for p in parts], dim=-1)
+
+        return RowStats(*(join(f) for f in ("lse2", "z_target", "wz", "entropy", "best", "argmax")))
+
+    def loss_terms(self) -> torch.Tensor:
+        """lse - z_target computed as (m - z_target) + log-sum: exact near the max for large logits."""
+        return (self.lse2[0] - self.z_target) + self.lse2[1]
+
+
+def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=None) -> RowStats:
+    """The vocabulary sweep: per-row log-sum-exp, target logit and optional sums, O(N) memory.
+    With a vocabulary ``shard`` (parallel.Shard) the statistics are merged across its group."""
+    return sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
+
+
+def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None, cfg=None):
+    """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
+
+    With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
+    exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
+    per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
+    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``)."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    where = hidden.device
+    metrics = opts.return_metrics
+    smoothing = opts.label_smoothing > 0
+    if cfg is None:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
+        assert e_out is None, "the chunked path's sweep takes its tiles from the caller"
+        cfg = autotune.tiles(
+            "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
+            shard=shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts))
+    offset, v_total = (shard.offset, shard.v_total) if shard is not None else (0, v)
+    lse2 = device.new((2, n), torch.float32, where)
+    z_target = device.new((n,), torch.float32, where)
+    wz = device.new((n,), torch.float32, where) if smoothing else None
+    entropy = device.new((n,), torch.float32, where) if metrics else None
+    best = device.new((n,), torch.float32, where) if metrics else None
+    argmax_out = device.new((n,), torch.int64, where) if metrics else None
+    stats_out = RowStats(lse2, z_target, wz, entropy, best, argmax_out)
+    if n == 0:
+        return stats_out, None
+
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    n_tiles = triton.cdiv(v, cfg.block_v)
+    if e_out is None:
+        splits = plan.vocab_splits(n_blocks, n_tiles, where, resident=cfg.resident)
+        tiles_per_split = triton.cdiv(n_tiles, splits)
+        splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
+    else:
+        splits, tiles_per_split = n_tiles, 1
+    # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz).
+    n_stats = NUM_STATS if smoothing else (5 if metrics else 3)
+    stats = device.new((n_stats, splits, n), torch.float32, where)
+    argmax = device.new((splits, n), torch.int32, where) if metrics else stats
+    bias_arg, stride_b = bias_args(bias, hidden)
+    softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+
+    group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
+    grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
+    hidden_desc, weight_desc, tma = device.logit_descriptors(hidden, weight, cfg)
+    # The chunked path's exp(z - m_tile) goes out through a descriptor too where its layout allows:
+    # a 2-D tile of store pointers spills registers.
+    e_tma = e_out is not None and tma and device.tma_layout(e_out)
+    e_desc = TensorDescriptor.from_tensor(e_out, [cfg.block_n, cfg.block_v]) if e_tma else stats
+    lse_sweep_kernel[grid](
+        hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
+        e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
+        hidden_desc, weight_desc, e_desc, n, v, h,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
+        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset, opts.ignore_index,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
+        SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
+        TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma,
+        GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.logit_flags(hidden.dtype),
+    )
+    combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
+        stats, argmax, targets, lse2, z_target,
+        wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
+        argmax_out if metrics else argmax, n, v_total, offset, splits, splits * n, targets.stride(0),
+        METRICS=metrics, SMOOTHING=smoothing, BLOCK=_COMBINE_BLOCK, SPLIT_BLOCK=_COMBINE_SPLITS,
+    )
+    if shard is not None:
+        parallel.merge_stats(stats_out, shard, metrics)
+    return stats_out, stats
 
 
 @triton.jit
@@ -63,7 +207,6 @@ def lse_sweep_kernel(
     EVEN_V: tl.constexpr = False,  # V is a multiple of BLOCK_V: no tile has columns past the end
     STORE_E: tl.constexpr = False,
     E_TMA: tl.constexpr = False,
-    EMULATE_ROUNDING: tl.constexpr = False,
     GROUP_M: tl.constexpr = 0,
     SKIP_IGNORED: tl.constexpr = False,
 ):
@@ -137,10 +280,10 @@ def lse_sweep_kernel(
                     e_out = tl.where(mask_v[None, :], e * softcap_grad(z, softcap), 0.0)
                 if E_TMA:  # rows and classes past the end are not written
                     e_desc.store([pid_n * BLOCK_N, vt * BLOCK_V],
-                                 round_to(e_out, e_desc.dtype, EMULATE_ROUNDING))
+                                 round_to(e_out, e_desc.dtype, BF16_EMULATION))
                 else:
                     e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :]
-                    tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, EMULATE_ROUNDING),
+                    tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, BF16_EMULATION),
                              mask=mask_n[:, None] & mask_v[None, :])
             is_target = tl.arange(0, BLOCK_V)[None, :] == (target_col - vt * BLOCK_V)[:, None]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)

@@ -1,0 +1,177 @@
+"""How each stage cuts its work, from shapes alone (no kernels, no tensors): the forward sweep's
+vocabulary split, the chunked path's chunk of rows, the recompute backward's passes and blocks, all
+within the memory knob ``chunk_bytes``. The public names are re-exported by ``configs``.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import device as _device
+
+# Default budget for the backward's da chunk (bytes): the memory knob's default setting.
+DEFAULT_CHUNK_BYTES = 256 << 20
+# The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
+# this share (``vocab_splits``).
+_WAVE_EFFICIENCY = 0.95
+# Splits on the interpreter: more than one, so every run exercises the merge of partial statistics.
+_CPU_SPLITS = 3
+
+
+def chunk_budget(chunk_bytes: int | None) -> int:
+    """The memory knob's value in bytes: ``chunk_bytes``, or DEFAULT_CHUNK_BYTES when None."""
+    return DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+
+
+def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, block_n: int) -> int:
+    """Rows per chunk of the chunked path: as many whole vocabulary rows of the (R, V) buffer (the
+    input dtype) as ``chunk_bytes`` holds, in whole row blocks, at least one row block; all N when
+    they fit."""
+    rows = chunk_budget(chunk_bytes) // max(1, v * dtype.itemsize)
+    if rows >= n:
+        return max(n, 1)
+    return max(block_n, rows // block_n * block_n)
+
+
+def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:
+    """How many programs share one row block's vocabulary sweep (each a contiguous range of tiles).
+
+    The sweep takes about (waves) x (tiles per program), where a wave is the SMs x ``resident``
+    programs that run at once; the work is row blocks x tiles. This takes the fewest splits whose
+    waves are at least ``_WAVE_EFFICIENCY`` full, else the fullest (fewer splits: fewer partial
+    statistics, and the programs that run together share more of the weight in L2). H200, bf16,
+    evaluation forward (``benchmarks/results/borrowed/experiment_splits.json``): S1 2 splits 13.9 ms
+    against 15.8 for the 5 of the earlier rule (2 programs per SM), S3 1 split 18.7 against 23.1."""
+    if _device.interpreted() or device.type != "cuda":
+        return max(1, min(_CPU_SPLITS, n_vocab_tiles))
+    sms = _device.sm_count(device)
+    return _fewest_full_splits(max(1, n_row_blocks), max(1, n_vocab_tiles), sms * resident)
+
+
+@functools.lru_cache(maxsize=256)
+def _fewest_full_splits(row_blocks: int, tiles: int, slots: int) -> int:
+    best, best_eff = 1, 0.0
+    for splits in range(1, tiles + 1):
+        per = triton.cdiv(tiles, splits)
+        if splits > 1 and triton.cdiv(tiles, splits - 1) == per:
+            continue  # the same ranges as fewer splits
+        waves = triton.cdiv(row_blocks * triton.cdiv(tiles, per), slots)
+        eff = row_blocks * tiles / (waves * per * slots)
+        if eff >= _WAVE_EFFICIENCY:
+            return splits
+        if eff > best_eff:
+            best, best_eff = splits, eff
+    return best
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How the backward cuts the (N, V) plane: blocks of ``rows`` x ``cols`` da at a time."""
+
+    rows: int
+    cols: int
+    dx_accumulator: bool  # grad_hidden summed over column blocks in an fp32 (N, H) buffer
+    dw_accumulator: bool  # grad_weight summed over row blocks in an fp32 (V, H) buffer
+    rows_grads: bool = True  # this pass computes grad_hidden and grad_bias (when wanted)
+    weight_grad: bool = True  # this pass computes grad_weight (when wanted)
+    # The (N, H) fp32 accumulator lives in the last bytes of grad_weight's own memory (not extra):
+    # the vocabulary blocks that overlap it get their grad_weight after grad_hidden is final.
+    borrowed: bool = False
+
+    def extra_bytes(self, n: int, v: int, h: int, itemsize: int) -> int:
+        """The da block, the fp32 accumulators, and a rows-only pass's fp32 (rows, H) product."""
+        return self.rows * self.cols * itemsize + 4 * h * (
+            n * (self.dx_accumulator and not self.borrowed) + v * self.dw_accumulator
+            + self.rows * (not self.weight_grad)
+        )
+
+
+def _token_rows(units: int, per_row: int, block_n: int) -> int:
+    """How many rows of ``per_row`` units each (a whole vocabulary row's elements or bytes) ``units``
+    hold, in row blocks, at least one."""
+    return max(block_n, (units // per_row) // block_n * block_n)
+
+
+def _vocab_cols(elems: int, n: int, block_v: int) -> int:
+    """Columns of all N rows that ``elems`` elements hold, in vocabulary tiles (may be 0)."""
+    return (elems // max(n, 1)) // block_v * block_v
+
+
+def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan:
+    """The backward's blocking for a da buffer of at most ``chunk_bytes`` (default
+    DEFAULT_CHUNK_BYTES). Whole when it fits; otherwise whole rows of the vocabulary in token chunks
+    or whole columns of the batch in vocabulary chunks, whichever needs the smaller fp32
+    accumulator (V x H for token chunks, N x H for vocabulary chunks). fp32 inputs accumulate in
+    their own gradients and need neither."""
+    elems = max(1, chunk_budget(chunk_bytes) // dtype.itemsize)
+    fp16ish = dtype != torch.float32
+    if n * v <= elems:
+        return BackwardPlan(n, v, False, False)
+    token = BackwardPlan(_token_rows(elems, v, block_n), v, False, fp16ish)
+    vocab_cols = _vocab_cols(elems, n, block_v)
+    if vocab_cols < block_v:
+        return token
+    vocab = BackwardPlan(n, vocab_cols, fp16ish, False)
+    itemsize = dtype.itemsize
+    return min((vocab, token), key=lambda p: p.extra_bytes(n, v, h, itemsize))
+
+
+def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw) -> tuple[BackwardPlan, ...]:
+    """The recompute backward's passes, so that its extra memory (da blocks and fp32 accumulators)
+    stays within ``chunk_bytes`` at any N. ``need_rows``: grad_hidden or grad_bias is wanted.
+
+    - The whole plane when it fits; fp32 inputs: ``plan_backward`` (no accumulator).
+    - Only grad_hidden/grad_bias: token blocks of whole vocabulary rows, each row's gradient
+      complete in one product. Only grad_weight: vocabulary blocks of all N rows, likewise.
+    - Both, in one pass, when an fp32 accumulator (N x H for vocabulary blocks, else V x H) takes
+      at most half the budget; the da block gets the rest.
+    - Else, when grad_weight's own memory holds the N x H fp32 accumulator (V >= 2N for 16-bit
+      inputs), one pass of vocabulary blocks with the accumulator borrowed from grad_weight's last
+      rows (``borrows_weight_grad``): the budget is all da block. The blocks over those rows but the
+      last get their grad_weight after grad_hidden is final, from their logits recomputed once
+      more: (2N - cols) / V of a product more.
+    - Otherwise two passes, each without an accumulator: token blocks for grad_hidden and
+      grad_bias, then vocabulary blocks for grad_weight. The logits are recomputed once more
+      (5 products instead of 4), and the memory stays flat in N.
+    """
+    budget = chunk_budget(chunk_bytes)
+    item = dtype.itemsize
+    elems = max(1, budget // item)
+    if n * v <= elems or dtype == torch.float32:
+        return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)
+
+    rows_only = _token_rows(budget, v * item + 4 * h, block_n)  # da rows + their fp32 product
+    rows_pass = BackwardPlan(rows_only, v, False, False, True, False)
+    all_cols = _vocab_cols(elems, n, block_v)
+    dw_pass = BackwardPlan(n, all_cols, False, False, False, True) if all_cols >= block_v else None
+    if not need_dw:
+        return (rows_pass,)
+    if not need_rows and dw_pass is not None:
+        return (dw_pass,)
+    acc_x, acc_w = 4 * n * h, 4 * v * h
+    cols = _vocab_cols(max(0, budget - acc_x) // item, n, block_v)
+    if acc_x <= budget // 2 and cols >= block_v:
+        return (BackwardPlan(n, cols, True, False),)
+    if acc_w <= budget // 2:
+        return (BackwardPlan(_token_rows((budget - acc_w) // item, v, block_n), v, False, True),)
+    if dw_pass is not None and borrows_weight_grad(n, v, dtype):
+        return (BackwardPlan(n, all_cols, True, False, borrowed=True),)
+    if dw_pass is not None:
+        return (rows_pass, dw_pass)
+    return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns
+
+
+def borrows_weight_grad(n: int, v: int, dtype: torch.dtype) -> bool:
+    """Whether grad_weight's (V, H) memory in ``dtype`` holds an (N, H) fp32 accumulator: V >= 2N
+    for 16-bit inputs (fp32 inputs need no accumulator)."""
+    return dtype != torch.float32 and v * dtype.itemsize >= 4 * n
+
+
+def borrowed_order(v: int, cols: int, first_borrowed_row: int):
+    """The borrowed plan's column blocks (col0, c), laid out from the end so that the last block is
+    whole: those clear of the accumulator first, then those over it, the last block last."""
+    blocks = [(max(0, end - cols), end - max(0, end - cols)) for end in range(v, 0, -cols)][::-1]
+    clear = [b for b in blocks if b[0] + b[1] <= first_borrowed_row]
+    return clear, blocks[len(clear) :]

@@ -1,0 +1,112 @@
+"""What the device can do and how the kernels are built for it: the interpreter, TMA and SM probes,
+the precision flags every launch passes, and the allocation of every buffer the launchers write.
+
+Nothing here touches the GPU at import: the probes query CUDA on first use and cache the answer.
+"""
+
+import functools
+import os
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .logits import tanh as _a_jitted_function
+
+
+def interpreted() -> bool:
+    """True when the kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_a_jitted_function, InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device when it has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``."""
+    return _sm_count(_index(device))
+
+
+def tma_hardware(device: torch.device) -> bool:
+    """Whether ``device`` loads through TMA tensor descriptors in hardware: CUDA compute capability
+    9.0 and up (Hopper, Blackwell). Older GPUs keep the pointer loads, the path they were measured
+    and tested on; the interpreter runs the descriptors too (so the CPU tests cover them)."""
+    if device.type != "cuda":
+        return interpreted()
+    return torch.version.hip is None and _capability(_index(device))[0] >= 9
+
+
+def tma_layout(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand can go through a TMA tensor descriptor: contiguous rows, a row stride
+    and a base address that are multiples of 16 bytes, no empty dimension. Elsewhere the kernels
+    load through pointers (the same products; ``logits.logit_tile``)."""
+    return (t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 0 and t.stride(1) == 1
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def logit_descriptors(hidden, weight, cfg):
+    """(hidden's and weight's TMA tensor descriptors for ``cfg``'s tiles, True), or (hidden, weight,
+    False) where ``cfg``, the GPU or the layout rules them out (``tma_hardware``, ``tma_layout``):
+    the logit kernels then load through pointers."""
+    if not (cfg.tma and tma_hardware(hidden.device) and tma_layout(hidden) and tma_layout(weight)):
+        return hidden, weight, False
+    return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's matmul precision setting (tf32 only when torch allows it)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def fp_fusion(dtype: torch.dtype) -> bool:
+    """Whether kernels that compute logits may contract multiply-adds (``enable_fp_fusion``): no.
+
+    A contraction of ``scale * acc - m`` into one fma skips the rounding of the logit, so the
+    recomputing backward's z - m would differ from the forward's by up to half an ulp of z (6e-5 at
+    |z| ~ 2e3), which shows in p at large logits (fp32 with logit_scale 1e3: a grad_hidden error of
+    9.5e-5 against plain torch's 2.4e-7 on the H200; the interpreter never contracts). Off for every
+    dtype: on the H200 at S1 bf16 it costs nothing measurable (recompute 60.6 ms off against
+    60.5-66.6 on, chunked 49.8 against 49.0-51.7)."""
+    return False
+
+
+def bf16_emulation(dtype: torch.dtype) -> bool:
+    """BF16_EMULATION, the one switch for bf16 under the interpreter, whose tl.dot and fp32 -> bf16
+    cast are not the GPU's (``logits.round_to``, ``logits.logit_tile``); off elsewhere."""
+    return interpreted() and dtype == torch.bfloat16
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """The flags of every kernel that runs tl.dot on ``dtype`` operands."""
+    return dict(BF16_EMULATION=bf16_emulation(dtype), INPUT_PRECISION=input_precision(dtype))
+
+
+def logit_flags(dtype: torch.dtype) -> dict:
+    """For kernels that compute logits: ``dot_flags`` and no fused multiply-add contraction where
+    ``fp_fusion`` says so, so that every kernel rounds z = scale * acc (- m) the same way."""
+    return dict(dot_flags(dtype), enable_fp_fusion=fp_fusion(dtype))
+
+
+def new(shape, dtype, device) -> torch.Tensor:
+    """torch.empty, or NaN-filled (-1 for integers) when FUSED_LINEAR_CE_POISON=1, so that an element
+    a kernel should have written and did not fails loudly."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
