@@ -8,9 +8,9 @@ output of `render_card()`, and tests/packaging/test_publish.py checks it against
 
 Sections named in `REPO_ONLY_SECTIONS` (how to develop and publish this repo) are left out; every other
 `## ` section goes in, in README order, and `REQUIRED_SECTIONS` must exist (usage, benchmark table,
-clean-room statement). Images the kept sections show with a relative path (`![..](benchmarks/...png)`)
-are returned by `card_assets()`: the upload puts them next to the card on `main`, where the relative
-links resolve.
+clean-room statement). Files the kept sections show or link with a relative path (images,
+`docs/*.md`) are returned by `card_assets()`: the upload puts them next to the card on `main`, where
+the relative links resolve.
 
 One rewrite is made: a `git clone` of the Hub repo without a branch gets `-b v<version>`. The build
 lives on the version branch (`kernel-builder upload` and scripts/upload.py put only the card on `main`),
@@ -48,6 +48,8 @@ TAGS = (
     "llm-training",
 )
 _IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+# Any link or image target: documents the card links to (docs/design.md, ...) go beside it too.
+_LINK = re.compile(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
 def split_sections(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -122,16 +124,20 @@ def render_card(repo: Path = REPO) -> str:
 
 
 def card_assets(repo: Path = REPO) -> list[str]:
-    """Repo-relative paths of the images the card shows with relative links (uploaded beside it)."""
-    _, sections = card_sections(repo)
+    """Repo-relative paths of the files the card shows or links to with relative links (the images,
+    and the documents under docs/ and benchmarks/ it points readers to): uploaded beside it on
+    `main`, where those links resolve. In-page anchors (`#...`) are not files."""
+    preamble, sections = card_sections(repo)
     found: list[str] = []
-    for _, body in sections:
-        for target in _IMAGE.findall(body):
+    for body in [preamble] + [body for _, body in sections]:
+        for target in _LINK.findall(body):
+            if target.startswith("#"):
+                continue  # an anchor in the card itself
             if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("/"):
                 continue  # absolute URL
             rel = target.split("#", 1)[0]
             if not (repo / rel).is_file():
-                raise FileNotFoundError(f"README.md shows {target!r}, which is not a file in the repo")
+                raise FileNotFoundError(f"README.md links {target!r}, which is not a file in the repo")
             if rel not in found:
                 found.append(rel)
     return found

@@ -461,10 +461,16 @@ def test_card_is_the_readme_under_front_matter():
 
 
 def test_card_assets_are_uploaded_next_to_the_card():
+    """Every relative link of the card (images, docs/*.md) goes to `main` beside it: none is broken
+    on the Hub."""
     assets = make_card.card_assets(REPO)
     card = make_card.render_card(REPO)
     for rel in assets:
-        assert (REPO / rel).is_file() and f"]({rel})" in card
+        assert (REPO / rel).is_file() and f"]({rel}" in card
+    relative = {t.split("#", 1)[0] for t in re.findall(r"\]\(([^)\s]+)", card)
+                if not re.match(r"^([a-z][a-z0-9+.-]*:|/|#)", t, re.IGNORECASE)}
+    assert relative == set(assets)
+    assert any(a.startswith("docs/") for a in assets)
     ops = upload.plan_operations(REPO, [])
     assert [op.path for op in ops if op.branch == "main"] == ["README.md", *assets]
 
