@@ -16,7 +16,6 @@ checked against an fp32 reference; ``--profile``: per-kernel times of one step o
 ``full``. Prints a table last; writes experiment_ignored.json.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tune.py, bench.py
 from experiment_common import (MiB, interleaved, kernel_times, make_step, median, parse_args,  # noqa: E402
                                reference, write_results)
+from ab import load_copy  # noqa: E402  (benchmarks/ab.py: a copy of the package as a second package)
 from tune import problem, rel  # noqa: E402
 
 import fused_linear_ce  # noqa: E402
@@ -47,17 +47,6 @@ def layouts(targets):
         sft[s0 : s0 + prompt] = -100
         scattered[s0 + torch.randperm(length, generator=g)[:prompt].to(targets.device)] = -100
     return {"full": targets, "sft": sft, "scattered": scattered}
-
-
-def load_copy(name, path):
-    """The package at ``path`` imported as ``fused_linear_ce_<name>`` (its own custom-op namespace)."""
-    full = f"fused_linear_ce_{name}"
-    spec = importlib.util.spec_from_file_location(full, Path(path) / "__init__.py",
-                                                  submodule_search_locations=[str(path)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[full] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def dead_blocks(targets, block=128):
