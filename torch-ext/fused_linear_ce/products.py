@@ -112,7 +112,7 @@ def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
 
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
-    relative error repeated across the batch (tests/test_rounding.py)."""
+    relative error repeated across the batch (tests/kernel/test_rounding.py)."""
     if not accumulate and out.dtype != torch.float32 and few_tiles(a, b):
         _fp32_then_scale(a, b, out, unscale)
     else:
