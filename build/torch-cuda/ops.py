@@ -3,8 +3,9 @@
 ``torch.compile(fullgraph=True)`` sees two opaque ops and their output shapes, so a training step
 that calls the loss compiles without a graph break. The namespace is the package's own module name,
 unique per build (the loader imports each build under its own id), so two builds can live in one
-process. Options travel as scalar arguments; the per-row loss arithmetic (``losses.py``) runs
-inside the ops, so their outputs are the final loss, metrics and lse.
+process. Options travel as scalar arguments, the float ones as one CPU tensor (``scalars``); the
+per-row loss arithmetic (``losses.py``) runs inside the ops, so their outputs are the final loss,
+metrics and lse.
 """
 
 import math

@@ -36,21 +36,23 @@ def _beyond_one_rounding(got, a, b, factor=1.0):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "a-transposed"])
-def test_direct_bf16_is_the_exact_sum_rounded_once(transposed):
+def test_bf16_product_is_the_exact_sum_rounded_once(transposed):
     """A long reduction (k = 4096): the result is the float64 product rounded once to bf16, up to
     the fp32 summation's own error (bf16 partial sums would be ~1000x further off)."""
     a, b = _operands(48, 4096, 40, torch.bfloat16)
     if transposed:  # grad_weight's product reads da^T
         a = a.t().contiguous().t()
-    got = products.direct(a, b, _out(a, b))
+    got = _out(a, b)
+    products.product(a, b, got, False)
     assert got.dtype == torch.bfloat16 and got.shape == (48, 40)
     assert _beyond_one_rounding(got, a, b) <= 2.0**-16
     out = torch.empty(48, 40, dtype=torch.bfloat16, device=DEVICE)
-    assert products.direct(a, b, out) is out and torch.equal(out, got)
+    products.product(a, b, out, False)
+    assert torch.equal(out, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_direct_sends_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
+def test_products_send_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
     """fp32 through cuBLAS would follow the user's TF32 switch; a 16-bit result that fills the GPU
     goes to the matmul too (``few_tiles`` patched off: these operands are one tile)."""
     monkeypatch.setattr(products, "few_tiles", lambda a, b: False)
@@ -58,7 +60,8 @@ def test_direct_sends_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
     real = products.matmul
     monkeypatch.setattr(products, "matmul", lambda *args: calls.append(args) or real(*args))
     a, b = _operands(16, 64, 24, dtype)
-    got = products.direct(a, b, _out(a, b))
+    got = _out(a, b)
+    products.product(a, b, got, False)
     assert len(calls) == 1
     torch.testing.assert_close(got.double(), a.double() @ b.double(), rtol=2e-3, atol=2e-3)
 
@@ -85,7 +88,7 @@ def test_no_product_touches_the_global_matmul_flags(flags_read_only):
     a, b = _operands(16, 64, 24, torch.bfloat16)
     acc = torch.zeros(16, 24, device=DEVICE)
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
-    products.direct(a, b, _out(a, b))
+    products.product(a, b, _out(a, b), False)
     products.product(a, b, _out(a, b), False, third)
     products.rows_product(a, b, _out(a, b), third)
     products.rows_product(a, b, _out(a, b), None)

@@ -9,6 +9,8 @@ a host module decorated ``@use_kernel_forward_from_hub("ForCausalLMLoss")`` whos
 this signature gets its forward replaced.
 """
 
+import functools
+
 from torch import nn
 
 from .api import fused_linear_cross_entropy
@@ -27,8 +29,10 @@ PASSED_THROUGH = frozenset({
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+@functools.cache
 def _passed_through() -> frozenset:
-    """PASSED_THROUGH and whatever the installed transformers adds to its ``TransformersKwargs``."""
+    """PASSED_THROUGH and whatever the installed transformers adds to its ``TransformersKwargs``
+    (read once: the loss runs every step)."""
     try:
         from transformers.utils.generic import TransformersKwargs
     except ImportError:

@@ -11,7 +11,6 @@ runs it, and a 16-bit result is rounded once.
 - ``product``: out (+)= (a @ b) [* unscale]: ``matmul``, or, for a 16-bit result with
   ``few_tiles``, cuBLAS with an fp32 result and one ``scale`` (cuBLAS splits the long K reduction
   across the GPU, which one program per output tile cannot).
-- ``direct``: ``product`` with nothing added or scaled.
 - ``rows_product``: a block of whole vocabulary rows' grad_hidden (few rows, a long V reduction):
   cuBLAS with an fp32 result, scaled once.
 - ``scale``: src * g, fp32 arithmetic, one rounding.
@@ -96,12 +95,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         TMA=tma, A_T=a_t, B_T=b_t,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.dot_flags(a.dtype),
     )
-
-
-def direct(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = a @ b in ``out``'s dtype, fp32 accumulation, one rounding (``product``). Returns ``out``."""
-    product(a, b, out, False)
-    return out
 
 
 def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:
