@@ -83,7 +83,7 @@ def spies(monkeypatch):
         monkeypatch.setattr(products, name, run)
 
     products_run = []
-    for name in ("matmul", "direct", "accumulate", "rows_product"):
+    for name in ("matmul", "product", "accumulate", "rows_product"):
         spy(name)
     monkeypatch.setattr(recompute, "dlogits_kernel", dlogits)
     return products_run, dlogits, in_place
