@@ -93,12 +93,16 @@ def merge_stats(stats, shard: Shard, metrics: bool):
         parts.append(scale * (row_max + log_sum - stats.entropy))  # share of sum exp(z - max) z
     if stats.wz is not None:
         parts.append(stats.wz)
+    if stats.squares is not None:  # this shard's share of sum exp(2 (z - new_max))
+        parts.append(torch.exp(2.0 * (row_max - new_max)) * stats.squares)
     sums = all_reduce(torch.stack(parts), shard)
     stats.lse2[0].copy_(new_max)
     stats.lse2[1].copy_(torch.log(sums[0]))
     stats.z_target.copy_(sums[1])
+    if stats.squares is not None:
+        stats.squares.copy_(sums[-1])
     if stats.wz is not None:
-        stats.wz.copy_(sums[-1])
+        stats.wz.copy_(sums[-2] if stats.squares is not None else sums[-1])
     if metrics:
         stats.entropy.copy_(stats.lse - sums[2] / sums[0])
         holds_best = stats.best == top[1]
