@@ -229,7 +229,8 @@ def lse_sweep_kernel(
     Grid (cdiv(N, BLOCK_N), SPLIT), or with GROUP_M > 0 a 1-D grid over the same programs in groups
     of GROUP_M row blocks (``grouped_tile``: a wave shares fewer rows and weight tiles). Per row it
     carries the running max m, the rescaled sum of exp(z - m), the target logit (from the one tile
-    that holds the target), with METRICS the rescaled sum of exp(z - m) * z and the running argmax,
+    that holds the target), with METRICS the sum of exp(z - m) * (z - m) (moved along with m, so
+    the entropy log-sum - that / sum never cancels two values near the max) and the running argmax,
     with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
     HAS_CLASS_WEIGHT; the plain mean logit), and with SQUARES the rescaled sum of exp(2 (z - m)).
     fp32, no atomics.
@@ -289,6 +290,10 @@ def lse_sweep_kernel(
             m_new = tl.maximum(m, tile_max)
             alpha = tl.exp(m - m_new)
             e = tl.exp(z - m_new[:, None])
+            if METRICS:  # sum of exp(z - m) (z - m), moved to the new max: exact for peaked rows
+                ez = e * (z - m_new[:, None])
+                ez = ez if EVEN_V else tl.where(mask_v[None, :], ez, 0.0)  # not 0 * -inf
+                pz = alpha * (pz + tl.where(s > 0.0, (m - m_new) * s, 0.0)) + tl.sum(ez, axis=1)
             s = s * alpha + tl.sum(e, axis=1)
             if SQUARES:
                 s2 = s2 * (alpha * alpha) + tl.sum(e * e, axis=1)
@@ -312,8 +317,6 @@ def lse_sweep_kernel(
                 else:
                     wz += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
             if METRICS:
-                ez = e * z if EVEN_V else tl.where(mask_v[None, :], e * z, 0.0)  # not 0 * -inf
-                pz = pz * alpha + tl.sum(ez, axis=1)
                 tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
                 better = tile_max > best
                 best = tl.where(better, tile_max, best)
@@ -393,10 +396,13 @@ def combine_kernel(
         tile = (sp < SPLIT)[:, None] & mask[None, :]
         p = stats_ptr + sp[:, None] * N + offs[None, :]
         scale = tl.exp(tl.load(p, mask=tile, other=float("-inf")) - m_all[None, :])
-        s_all += tl.sum(tl.load(p + 1 * plane, mask=tile, other=0.0) * scale, axis=0)
+        s_i = tl.load(p + 1 * plane, mask=tile, other=0.0)
+        s_all += tl.sum(s_i * scale, axis=0)
         z_target += tl.sum(tl.load(p + 2 * plane, mask=tile, other=0.0), axis=0)
-        if METRICS:
-            pz_all += tl.sum(tl.load(p + 3 * plane, mask=tile, other=0.0) * scale, axis=0)
+        if METRICS:  # each split's sum of exp(z - m_i) (z - m_i), moved to m_all
+            m_i = tl.load(p, mask=tile, other=0.0)
+            q_i = tl.load(p + 3 * plane, mask=tile, other=0.0) + tl.where(s_i > 0.0, (m_i - m_all[None, :]) * s_i, 0.0)
+            pz_all += tl.sum(q_i * scale, axis=0)
             b = tl.load(p + 4 * plane, mask=tile, other=float("-inf"))
             b = tl.where(b == b, b, float("-inf"))
             step_best = tl.max(b, axis=0)
@@ -421,6 +427,6 @@ def combine_kernel(
     if SQUARES:
         tl.store(squares_ptr + offs, s2_all, mask=mask)
     if METRICS:
-        tl.store(entropy_ptr + offs, lse - pz_all / s_all, mask=mask)
+        tl.store(entropy_ptr + offs, log_sum - pz_all / s_all, mask=mask)
         tl.store(best_ptr + offs, best, mask=mask)
         tl.store(argmax_out_ptr + offs, best_idx.to(tl.int64) + vocab_offset, mask=mask)

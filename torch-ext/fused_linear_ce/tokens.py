@@ -130,7 +130,7 @@ def token_forward(
     if sizes is not None:
         parallel.finish_size_check(sizes, shard)
     row = torch.cat([stats.lse2, stats.z_target[None]])
-    out = [fields.get(name, empty) for name in FIELDS[:-1]]
+    out = [fields[name] if name in fields else empty.clone() for name in FIELDS[:-1]]  # distinct outputs
     return (*out, fields.get("is_top1", empty.to(torch.bool)), row, exps, tile_max)
 
 
@@ -140,9 +140,9 @@ def _(hidden, weight, bias, targets, scalars_, ignore_index, has_softcap, output
     n, v = hidden.shape[0], weight.shape[0]
     names = _names(outputs)
     opts = _options(None, ignore_index, has_softcap, names, chunk_bytes, strategy)
-    field = hidden.new_empty((n,), dtype=torch.float32)
+    out = [hidden.new_empty((n,) if name == "log_probs" or name in names else (0,), dtype=torch.float32)
+           for name in FIELDS[:-1]]  # distinct tensors: aliased fake outputs would be merged by the compiler
     empty = hidden.new_empty((0,), dtype=torch.float32)
-    out = [field if name == "log_probs" or name in names else empty for name in FIELDS[:-1]]
     top1 = hidden.new_empty((n,) if "is_top1" in names else (0,), dtype=torch.bool)
     exps, tile_max = hidden.new_empty((0,)), empty
     if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
@@ -229,7 +229,7 @@ def token_backward_chunked(
     stats = sweep.RowStats(row[:2], row[2], None, None, None, None)
     dbias = device.new((-(-n // cfg.block_n), v), torch.float32, where) if need_db else None
     da = chunked.gradient_in_place(exps, tile_max, stats, coef, targets, None, dbias, opts, shard, cfg)
-    grad_hidden = grad_weight = grad_bias = hidden.new_empty((0,))
+    grad_hidden, grad_weight, grad_bias = (hidden.new_empty((0,)) for _ in range(3))  # distinct outputs
     if need_dx:
         out = device.new((n, h), torch.float32 if shard is not None else dtype, where)
         products.product(da, weight, out, False, unscale)
