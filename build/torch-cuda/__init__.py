@@ -1,13 +1,18 @@
 """fused-linear-ce: cross-entropy of ``hidden @ weight.T (+ bias)`` without the (N, V) logits.
 
-Public surface: ``fused_linear_cross_entropy``; ``ForCausalLMLoss`` (transformers' loss-function
+Public surface: ``fused_linear_cross_entropy``; ``fused_linear_logprobs`` (per-token log-probs,
+entropy, top-1 and more, differentiable); ``ChunkedLogProbFunction`` and ``use_in_trl`` (the drop-in
+for TRL's fused LM head, ``trl_head``); ``ForCausalLMLoss`` (transformers' loss-function
 signature, fused when given hidden states and the lm-head weight); ``layers`` (kernelize layers); the
 plain-torch ``reference``; ``configs`` (block sizes and the backward plan); ``autotune`` (opt-in
 tuning of the tiles for the exact shape).
 """
 
-from . import autotune, configs, layers, reference
+from . import autotune, configs, layers, reference, trl_head
 from .api import fused_linear_cross_entropy
+from .logprobs import fused_linear_logprobs
+from .trl_head import ChunkedLogProbFunction, use_in_trl
 from .layers import for_causal_lm_loss as ForCausalLMLoss
 
-__all__ = ["ForCausalLMLoss", "autotune", "configs", "fused_linear_cross_entropy", "layers", "reference"]
+__all__ = ["ChunkedLogProbFunction", "ForCausalLMLoss", "autotune", "configs", "fused_linear_cross_entropy",
+           "fused_linear_logprobs", "layers", "reference", "trl_head", "use_in_trl"]

@@ -117,18 +117,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         coef, chunk_common = losses.normalize(coef, common)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
-            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.logit_scale)
-        da = e  # in place
-        softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
-            e, da, tile_stats, stats.lse2, coef, stats.z_target, targets[sl],
-            class_weight if class_weight is not None else coef, dbias if need_db else coef,
-            0, r, v, r, e.stride(0), da.stride(0), targets.stride(0), float(opts.logit_scale),
-            float(opts.softcap) if opts.softcap is not None else 1.0, shard.offset if shard is not None else 0,
-            HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
-            HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=need_db,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(dtype),
-            num_warps=8 if not device.interpreted() else 1,
-        )
+            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales()[3])
+        da = gradient_in_place(e, tile_stats, stats, coef, targets[sl], class_weight, dbias, opts, shard, cfg)
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
         if need_dw:
@@ -146,13 +136,33 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias
 
 
+def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weight, dbias, opts: Options, shard, cfg):
+    """Turns a chunk's exponentials ``e`` (R, V) (the sweep's STORE_E, its per-split statistics
+    ``tile_stats`` and RowStats ``stats``) into da in place with the per-row coefficients ``coef``
+    ((3, R), or (5, R) with the per-token entropy term), and the bias partial sums into ``dbias``
+    when given; returns da (``e`` itself)."""
+    r, v = e.shape
+    _, _, softcap_out, grad_scale = opts.kernel_scales()
+    softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
+        e, e, tile_stats, stats.lse2, coef, stats.z_target, targets,
+        class_weight if class_weight is not None else coef, dbias if dbias is not None else coef,
+        0, r, v, r, e.stride(0), e.stride(0), targets.stride(0), grad_scale, softcap_out,
+        shard.offset if shard is not None else 0,
+        HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=coef.shape[0] > 3,
+        HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=dbias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(e.dtype),
+        num_warps=8 if not device.interpreted() else 1,
+    )
+    return e
+
+
 @triton.jit
 def softmax_gradient_kernel(
     e_ptr,  # (R, V) in: exp(z - m_tile) [* softcap'(z)], the input dtype
     da_ptr,  # (R, V) out, the input dtype; the same memory as e_ptr (in place)
     tile_max_ptr,  # (T, R) fp32: each tile's row max m_tile (plane 0 of the sweep's statistics)
     lse_ptr,  # (2, N) fp32: row max m and log-sum (rows row0 .. row0 + R of them)
-    coef_ptr,  # (3, R) fp32: A, B, C of the chunk's rows
+    coef_ptr,  # (3, R) fp32: A, B, C of the chunk's rows; (5, R) with ENTROPY_GRAD: also E and S
     z_target_ptr,  # (N,) fp32: the target logit (0 when another shard holds it, NaN out of range)
     targets_ptr,  # (N,) int32/int64
     class_weight_ptr,  # (V,) fp32 when HAS_CLASS_WEIGHT, else dummy
@@ -164,11 +174,12 @@ def softmax_gradient_kernel(
     stride_e,
     stride_da,
     stride_t,
-    logit_scale,
-    softcap,
+    grad_scale,  # the chain's factor dz -> da (Options.kernel_scales)
+    softcap_out,  # the tanh's output scale (Options.kernel_scales)
     vocab_offset,
     HAS_SOFTCAP: tl.constexpr,
     SMOOTHING: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -176,7 +187,11 @@ def softmax_gradient_kernel(
     BF16_EMULATION: tl.constexpr,
 ):
     """Grid (cdiv(R, BLOCK_N), cdiv(V, BLOCK_V)): the sweep's own tiles, so one m_tile per row.
-    Memory-bound: reads and writes the chunk once. No atomics."""
+    Memory-bound: reads and writes the chunk once. No atomics.
+
+    ENTROPY_GRAD (per-token outputs, never with a softcap, whose derivative ``e`` then carries): the
+    term ``- E p (z - S)`` takes z back from the buffer as ``m_tile + log(e)``, which is within
+    one rounding of ``e`` (2^-9 absolute in bf16) of the true logit."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     local_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,16 +215,25 @@ def softmax_gradient_kernel(
     # A row whose A is 0 (an ignored row) gets 0 whatever its e holds: the sweep leaves e unwritten
     # where a whole row block is ignored (SKIP_IGNORED). The load is not skipped there: a branch
     # around it halves this kernel's rate.
-    d = tl.where(coef_a[:, None] == 0.0, 0.0, (coef_a * factor)[:, None] * e)
-    # The target entry, exactly: (A p_t - B) softcap'(z_t), p_t from the fp32 target logit.
     p_t = tl.exp((z_t - row_max) - log_sum)
-    d_t = coef_a * p_t - coef_b
+    if ENTROPY_GRAD:
+        coef_e = tl.load(coef_ptr + 3 * R + local)
+        s_row = tl.load(coef_ptr + 4 * R + local)
+        z = m_tile[:, None] + tl.log(tl.where(e > 0.0, e, 1.0))
+        a = coef_a[:, None] - coef_e[:, None] * (z - s_row[:, None])
+        dead = ((coef_a == 0.0) & (coef_e == 0.0))[:, None] | (e == 0.0)
+        d = tl.where(dead, 0.0, (a * factor[:, None]) * e)
+        d_t = (coef_a - coef_e * (z_t - s_row)) * p_t - coef_b
+    else:
+        d = tl.where(coef_a[:, None] == 0.0, 0.0, (coef_a * factor)[:, None] * e)
+        d_t = coef_a * p_t - coef_b
+    # The target entry, exactly: (A p_t - B) softcap'(z_t), p_t from the fp32 target logit.
     if HAS_SOFTCAP:
-        d_t = d_t * softcap_grad(z_t, softcap)
+        d_t = d_t * softcap_grad(z_t, softcap_out)
     is_target = offs_v[None, :] + vocab_offset == target[:, None]
     d = tl.where(is_target, d_t[:, None], d)
     # Smoothing never comes with a softcap on this path (the host routes that to the recompute path).
     d = label_terms(d, coef_b, coef_ptr + 2 * R + local, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
-    d = d * logit_scale
+    d = d * grad_scale
     store_dlogits(d, da_ptr + local_n[:, None] * stride_da + offs_v[None, :], mask, mask_v,
                   dbias_ptr + pid_n.to(tl.int64) * V + offs_v, BIAS_GRAD, BF16_EMULATION)

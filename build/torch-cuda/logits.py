@@ -6,7 +6,8 @@ For a row ``n`` (a token) and a class ``v``:
 
     a[n, v] = hidden[n] . weight[v] (+ bias[v])      fp32 accumulator, never rounded
     u[n, v] = logit_scale * a[n, v]
-    z[n, v] = c * tanh(u / c)  if softcap c else u  (the logits the softmax sees)
+    z[n, v] = c * tanh(u / c) / T  if softcap c else u / T  (the logits the softmax sees;
+                                                     T the temperature, 1 for the loss)
 
     lse[n]  = log sum_v exp(z[n, v])                 online: running max m and sum s,
                                                      s <- s * exp(m_old - m_new) + sum exp(z - m_new)
@@ -15,11 +16,18 @@ For a row ``n`` (a token) and a class ``v``:
 Backward with an upstream gradient g[n] per row (g = 0 on ignored rows, grad/count for "mean"):
 
     dz[n, v] = g[n] * (softmax(z)[n, v] - [v == t_n])
-    da[n, v] = dz[n, v] * logit_scale * (1 - (z / c)^2 if softcap else 1)
+    da[n, v] = dz[n, v] * logit_scale / T * (1 - (z T / c)^2 if softcap else 1)
     grad_hidden = da @ weight,  grad_weight = da^T @ hidden,  grad_bias = sum_n da[n, :]
 
 The loss variants (label smoothing, z-loss, class weights, a returned lse) generalise the backward to
-``da = A p - B onehot - C w`` with per-row coefficients; ``losses.py`` holds those formulas.
+``da = A p - B onehot - C w`` with per-row coefficients; ``losses.py`` holds those formulas. The
+per-token outputs (``tokens.py``) add an entropy term ``- E p (z - S)``, S = sum_v p z.
+
+On the kernels' side the temperature is folded into their float arguments (``Options.kernel_scales``):
+without a softcap it joins the logit scale (``u / T = a * (logit_scale / T)``); with one it is
+the output scale of the tanh, ``z = (c / T) tanh(u / c)``, and the derivative's ``t`` is
+``z / (c / T)``; the chain's factor ``logit_scale / T`` multiplies da. At T = 1 every one of them is
+the loss's own value, bit for bit.
 
 Metrics ride along the same sweep: the argmax is carried with the running max (first index wins
 on ties, as ``torch.argmax``), and the entropy ``lse - sum_v p z`` needs ``sum_v exp(z - m) z``,
@@ -103,6 +111,7 @@ def logit_tile(
     stride_b,
     logit_scale,
     softcap,
+    softcap_out,  # the tanh's output scale: softcap / temperature (softcap for the loss)
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -155,7 +164,7 @@ def logit_tile(
         acc += tl.load(bias_ptr + cols * stride_b).to(tl.float32)[None, :]
     acc = acc * logit_scale
     if HAS_SOFTCAP:
-        acc = softcap * tanh(acc / softcap)
+        acc = softcap_out * tanh(acc / softcap)
     return acc
 
 

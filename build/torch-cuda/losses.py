@@ -18,6 +18,7 @@ where G and Z are the upstream gradients of the row's cross-entropy and z-loss t
 reduction, and L that of the returned per-row lse. Ignored rows have G = Z = 0 (A = L, B = C = 0).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +184,7 @@ def normalize(coef: torch.Tensor, common):
     return coef / s, s if common is None else common * s
 
 
-def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float):
+def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float, v_total: int = 1):
     """(coef, unscale) with da lifted out of fp16's subnormal range by a power of two: the
     coefficients times it, ``unscale`` (an fp32 (1,) tensor, or None for 1) times its inverse.
 
@@ -191,14 +192,20 @@ def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float):
     |da| <= |logit_scale| (|A| + |B| + |C| max|w|). At real sizes p ~ 1/V and A ~ 1/count put most
     entries below fp16's smallest normal (6e-5), where they lose precision or vanish (plain torch
     loses them too). Scaling so that the largest possible entry is 2^14 keeps them normal; the
-    products divide by the same power of two, exactly."""
+    products divide by the same power of two, exactly. The per-token entropy term ``- E p (z - S)``
+    (coef rows 3 and 4) adds at most |E| (log V + 1): p_v (z_v - S) = p_v (log p_v + H) lies in
+    [-1/e, H], and the entropy H <= log V."""
     w_max = class_weight.abs().amax() if class_weight is not None else 1.0
-    peak = (coef[0].abs() + coef[1].abs() + coef[2].abs() * w_max).amax() * abs(logit_scale)
+    bound = coef[0].abs() + coef[1].abs() + coef[2].abs() * w_max
+    if coef.shape[0] > 3:
+        bound = bound + coef[3].abs() * (math.log(v_total) + 1.0)
+    peak = bound.amax() * abs(logit_scale)
     k = (14.0 - torch.ceil(torch.log2(peak))).clamp(-60.0, 60.0)
     k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero or non-finite gradients
     lift = torch.exp2(k)
     inverse = (1.0 / lift).reshape(1)
-    return coef * lift, inverse if unscale is None else unscale * inverse
+    lifted = coef * lift if coef.shape[0] <= 3 else torch.cat([coef[:4] * lift, coef[4:]])  # S is a logit
+    return lifted, inverse if unscale is None else unscale * inverse
 
 
 def coefficients(grad_loss, grad_lse, lse, targets, weights: TargetWeights, opts: Options):

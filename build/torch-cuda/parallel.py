@@ -89,18 +89,22 @@ def merge_stats(stats, shard: Shard, metrics: bool):
     new_max = top[0]
     scale = torch.exp((row_max - new_max) + log_sum)  # this shard's share of sum exp(z - new_max)
     parts = [scale, stats.z_target]
-    if metrics:
-        parts.append(scale * (row_max + log_sum - stats.entropy))  # share of sum exp(z - max) z
+    if metrics:  # share of sum exp(z - new_max) (z - new_max): the shard's mean logit less new_max
+        parts.append(scale * (((row_max - new_max) + log_sum) - stats.entropy))
     if stats.wz is not None:
         parts.append(stats.wz)
+    if stats.squares is not None:  # this shard's share of sum exp(2 (z - new_max))
+        parts.append(torch.exp(2.0 * (row_max - new_max)) * stats.squares)
     sums = all_reduce(torch.stack(parts), shard)
     stats.lse2[0].copy_(new_max)
     stats.lse2[1].copy_(torch.log(sums[0]))
     stats.z_target.copy_(sums[1])
+    if stats.squares is not None:
+        stats.squares.copy_(sums[-1])
     if stats.wz is not None:
-        stats.wz.copy_(sums[-1])
+        stats.wz.copy_(sums[-2] if stats.squares is not None else sums[-1])
     if metrics:
-        stats.entropy.copy_(stats.lse - sums[2] / sums[0])
+        stats.entropy.copy_(stats.lse2[1] - sums[2] / sums[0])
         holds_best = stats.best == top[1]
         idx = torch.where(holds_best, stats.argmax, torch.full_like(stats.argmax, torch.iinfo(torch.int64).max))
         stats.argmax.copy_(all_reduce(idx, shard, dist.ReduceOp.MIN))

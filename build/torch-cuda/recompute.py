@@ -28,7 +28,8 @@ def dlogits_kernel(
     bias_ptr,  # (V,) same dtype, or dummy
     targets_ptr,  # (N,) int32/int64
     lse_ptr,  # (2, N) fp32, from the forward: row max m and log-sum (lse = m + log-sum)
-    coef_ptr,  # (3, N) fp32: per-row A, B, C of da = A * p - B * onehot - C * w (see losses.py)
+    coef_ptr,  # (3, N) fp32: per-row A, B, C of da = A * p - B * onehot - C * w (see losses.py);
+    #            (5, N) with ENTROPY_GRAD: also E and S of the term - E * p * (z - S) (tokens.py)
     class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
     dlogits_ptr,  # (R, C) out, input dtype: da for rows [row0, row0 + R), classes [col0, col0 + C)
     dbias_ptr,  # (cdiv(R, BLOCK_N), V) fp32 out: per-row-block column sums of da, when BIAS_GRAD
@@ -49,11 +50,14 @@ def dlogits_kernel(
     stride_dc,
     logit_scale,
     softcap,
+    softcap_out,
+    grad_scale,  # the chain's factor dz -> da (Options.kernel_scales)
     N,
     vocab_offset,  # global id of this weight's first row (vocabulary-parallel shards), else 0
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     SMOOTHING: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,11 +95,14 @@ def dlogits_kernel(
     live_rows = mask_n & ((coef_a != 0.0) | (coef_b != 0.0))
     if SMOOTHING:
         live_rows = live_rows | (mask_n & (tl.load(coef_ptr + 2 * N + rows) != 0.0))
+    if ENTROPY_GRAD:
+        coef_e = tl.load(coef_ptr + 3 * N + rows)
+        live_rows = live_rows | (mask_n & (coef_e != 0.0))
     if tl.sum(live_rows.to(tl.int32), axis=0) > 0:
         z = logit_tile(
             hidden_ptr, weight_ptr, bias_ptr, hidden_desc, weight_desc, row0 + pid_m * BLOCK_N,
             col0 + pid_v * BLOCK_V, rows, cols, H, stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale,
-            softcap, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
+            softcap, softcap_out, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
         )
     else:
         z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
@@ -108,12 +115,17 @@ def dlogits_kernel(
     target_col = tl.where(in_tile, target - tile_col0, -1).to(tl.int32)
 
     p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
-    d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
+    if ENTROPY_GRAD:  # (A - E (z - S)) p: the entropy's gradient with the log-prob's
+        s_row = tl.load(coef_ptr + 4 * N + rows)
+        a = coef_a[:, None] - coef_e[:, None] * (z - s_row[:, None])
+        d = tl.where((coef_a[:, None] == 0.0) & (coef_e[:, None] == 0.0), 0.0, a * p)
+    else:
+        d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
     d -= tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], coef_b[:, None], 0.0)
     d = label_terms(d, coef_b, coef_ptr + 2 * N + rows, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
     if HAS_SOFTCAP:
-        d = d * softcap_grad(z, softcap)
-    d = d * logit_scale
+        d = d * softcap_grad(z, softcap_out)
+    d = d * grad_scale
 
     mask = mask_n[:, None] & mask_v[None, :]
     store_dlogits(d, dlogits_ptr + local_n[:, None] * stride_dc + local_v[None, :], mask, mask_v,
@@ -134,6 +146,7 @@ class _Dlogits:
         partial sums into ``dbias`` when ``bias_grad``; else it may be None); returns the (r, c) view."""
         hidden, weight, targets, bias, class_weight, lse2, coef = self.inputs
         opts, cfg, (n, h), v = self.opts, self.cfg, hidden.shape, weight.shape[0]
+        tile_scale, softcap, softcap_out, grad_scale = opts.kernel_scales()
         grid = (triton.cdiv(r, cfg.block_n) * triton.cdiv(c, cfg.block_v),)
         dlogits_kernel[grid](
             hidden, weight, self.bias_arg, targets, lse2, coef,
@@ -141,11 +154,11 @@ class _Dlogits:
             self.hidden_desc, self.weight_desc,
             row0, r, col0, c, v, h,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), self.stride_b,
-            targets.stride(0), dlogits.stride(0), float(opts.logit_scale),
-            float(opts.softcap) if opts.softcap is not None else 1.0, n,
+            targets.stride(0), dlogits.stride(0), tile_scale, softcap, softcap_out, grad_scale, n,
             self.shard.offset if self.shard is not None else 0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
-            SMOOTHING=opts.label_smoothing > 0, HAS_CLASS_WEIGHT=class_weight is not None,
+            SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=coef.shape[0] > 3,
+            HAS_CLASS_WEIGHT=class_weight is not None,
             BIAS_GRAD=bias_grad,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
             EVEN_H=h % cfg.block_h == 0, TMA=self.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -233,7 +246,8 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
 
     unscale = common.reshape(1).to(torch.float32) if common is not None else None
     if dtype == torch.float16 and n > 0:
-        coef, unscale = losses.lift_fp16(coef, unscale, class_weight, opts.logit_scale)
+        v_total = shard.v_total if shard is not None else v
+        coef, unscale = losses.lift_fp16(coef, unscale, class_weight, opts.kernel_scales()[3], v_total)
     one = torch.ones((1,), dtype=torch.float32, device=where)
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
     dw_deferred = need_dw and dw_acc is not grad_weight

@@ -24,9 +24,10 @@ from .logits import grouped_tile, logit_tile, round_to, softcap_grad
 from .validate import Options
 
 # Planes of the fp32 partial statistics (NUM_STATS, SPLIT, N) that ``lse_sweep_kernel`` writes: row
-# max, sum of exp(z - max), target logit, sum of exp(z - max) z and best logit (with metrics), and
-# sum_v w[v] z[v] (w = class weights, or 1; with label smoothing).
-NUM_STATS = 6
+# max, sum of exp(z - max), target logit, sum of exp(z - max) z and best logit (with metrics),
+# sum_v w[v] z[v] (w = class weights, or 1; with label smoothing or the mean logit), and sum of
+# exp(2 (z - max)) (with log_sum_sq_probs).
+NUM_STATS = 7
 # The merge kernel's tile: rows per program x splits per step (memory-bound and small).
 _COMBINE_BLOCK, _COMBINE_SPLITS = 64, 32
 
@@ -35,8 +36,17 @@ def tuning_variant(hidden, weight, bias, class_weight, opts: Options, *needs) ->
     """What of a call, besides its shape, changes the kernels it builds (the autotuning key's
     ``variant``): bias, softcap, metrics, label smoothing, class weights, TMA-able layouts, and the
     gradients wanted (``needs``)."""
-    return (bias is not None, opts.softcap is not None, opts.return_metrics, opts.label_smoothing > 0,
-            class_weight is not None, device.tma_layout(hidden) and device.tma_layout(weight), *needs)
+    return (bias is not None, opts.softcap is not None, *sums(opts), class_weight is not None,
+            device.tma_layout(hidden) and device.tma_layout(weight), *needs)
+
+
+def sums(opts: Options) -> tuple[bool, bool, bool]:
+    """Which optional sums the sweep carries: (METRICS: sum of exp(z - m) z and the argmax, for the
+    metrics, the entropy or the top-1; SUM_Z: sum of w z, for label smoothing or the mean logit;
+    SQUARES: sum of exp(2 (z - m)), for log_sum_sq_probs)."""
+    out = opts.outputs
+    metrics = opts.return_metrics or "entropy" in out or "is_top1" in out
+    return metrics, opts.label_smoothing > 0 or "mean_logits" in out, "log_sum_sq_probs" in out
 
 
 def skip_ignored(opts: Options) -> bool:
@@ -57,10 +67,11 @@ class RowStats:
 
     lse2: torch.Tensor  # (2, N): row max m and log sum exp(z - m); see ``lse``
     z_target: torch.Tensor  # the target's logit; NaN when the target is outside [0, V)
-    wz: torch.Tensor | None  # sum_v w[v] z[v], with label smoothing only
-    entropy: torch.Tensor | None  # with metrics only
-    best: torch.Tensor | None  # with metrics only: the largest logit
-    argmax: torch.Tensor | None  # with metrics only: its global class id (int64)
+    wz: torch.Tensor | None  # sum_v w[v] z[v], with SUM_Z only
+    entropy: torch.Tensor | None  # with METRICS only
+    best: torch.Tensor | None  # with METRICS only: the largest logit
+    argmax: torch.Tensor | None  # with METRICS only: its global class id (int64)
+    squares: torch.Tensor | None = None  # with SQUARES only: sum_v exp(2 (z - m)), m = lse2[0]
 
     @property
     def lse(self) -> torch.Tensor:
@@ -76,7 +87,7 @@ class RowStats:
             first = getattr(parts[0], name)
             return None if first is None else torch.cat([getattr(p, name) for p in parts], dim=-1)
 
-        return RowStats(*(join(f) for f in ("lse2", "z_target", "wz", "entropy", "best", "argmax")))
+        return RowStats(*(join(f) for f in ("lse2", "z_target", "wz", "entropy", "best", "argmax", "squares")))
 
     def loss_terms(self) -> torch.Tensor:
         """lse - z_target computed as (m - z_target) + log-sum: exact near the max for large logits."""
@@ -99,8 +110,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
-    metrics = opts.return_metrics
-    smoothing = opts.label_smoothing > 0
+    metrics, smoothing, squares = sums(opts)  # smoothing: the SUM_Z plane
     if cfg is None:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
         assert e_out is None, "the chunked path's sweep takes its tiles from the caller"
         cfg = autotune.tiles(
@@ -113,7 +123,8 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     entropy = device.new((n,), torch.float32, where) if metrics else None
     best = device.new((n,), torch.float32, where) if metrics else None
     argmax_out = device.new((n,), torch.int64, where) if metrics else None
-    stats_out = RowStats(lse2, z_target, wz, entropy, best, argmax_out)
+    squares_out = device.new((n,), torch.float32, where) if squares else None
+    stats_out = RowStats(lse2, z_target, wz, entropy, best, argmax_out, squares_out)
     if n == 0:
         return stats_out, None
 
@@ -125,12 +136,12 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
     else:
         splits, tiles_per_split = n_tiles, 1
-    # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz).
-    n_stats = NUM_STATS if smoothing else (5 if metrics else 3)
+    # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz, + squares).
+    n_stats = NUM_STATS if squares else 6 if smoothing else 5 if metrics else 3
     stats = device.new((n_stats, splits, n), torch.float32, where)
     argmax = device.new((splits, n), torch.int32, where) if metrics else stats
     bias_arg, stride_b = bias_args(bias, hidden)
-    softcap = float(opts.softcap) if opts.softcap is not None else 1.0
+    tile_scale, softcap, softcap_out, _ = opts.kernel_scales()
 
     group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
     grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
@@ -144,9 +155,9 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
         hidden_desc, weight_desc, e_desc, n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
-        targets.stride(0), float(opts.logit_scale), softcap, tiles_per_split, splits, offset, opts.ignore_index,
+        targets.stride(0), tile_scale, softcap, softcap_out, tiles_per_split, splits, offset, opts.ignore_index,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
-        SMOOTHING=smoothing, HAS_CLASS_WEIGHT=class_weight is not None,
+        SMOOTHING=smoothing, SQUARES=squares, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma,
         GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),
@@ -155,8 +166,9 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
         stats, argmax, targets, lse2, z_target,
         wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
-        argmax_out if metrics else argmax, n, v_total, offset, splits, splits * n, targets.stride(0),
-        METRICS=metrics, SMOOTHING=smoothing, BLOCK=_COMBINE_BLOCK, SPLIT_BLOCK=_COMBINE_SPLITS,
+        argmax_out if metrics else argmax, squares_out if squares else z_target, n, v_total, offset, splits,
+        splits * n, targets.stride(0),
+        METRICS=metrics, SMOOTHING=smoothing, SQUARES=squares, BLOCK=_COMBINE_BLOCK, SPLIT_BLOCK=_COMBINE_SPLITS,
     )
     if shard is not None:
         parallel.merge_stats(stats_out, shard, metrics)
@@ -188,6 +200,7 @@ def lse_sweep_kernel(
     stride_t,
     logit_scale,
     softcap,
+    softcap_out,
     tiles_per_split,
     num_splits,
     vocab_offset,  # global id of this weight's first row (vocabulary-parallel shards), else 0
@@ -196,6 +209,7 @@ def lse_sweep_kernel(
     HAS_SOFTCAP: tl.constexpr,
     METRICS: tl.constexpr,
     SMOOTHING: tl.constexpr,
+    SQUARES: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -215,9 +229,11 @@ def lse_sweep_kernel(
     Grid (cdiv(N, BLOCK_N), SPLIT), or with GROUP_M > 0 a 1-D grid over the same programs in groups
     of GROUP_M row blocks (``grouped_tile``: a wave shares fewer rows and weight tiles). Per row it
     carries the running max m, the rescaled sum of exp(z - m), the target logit (from the one tile
-    that holds the target), with METRICS the rescaled sum of exp(z - m) * z and the running argmax,
-    and with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
-    HAS_CLASS_WEIGHT). fp32, no atomics.
+    that holds the target), with METRICS the sum of exp(z - m) * (z - m) (moved along with m, so
+    the entropy log-sum - that / sum never cancels two values near the max) and the running argmax,
+    with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
+    HAS_CLASS_WEIGHT; the plain mean logit), and with SQUARES the rescaled sum of exp(2 (z - m)).
+    fp32, no atomics.
 
     SKIP_IGNORED: a program whose rows are all ignored (prompt tokens under an assistant-only loss,
     padding) computes no logit tile and writes neutral statistics, m = 0 and a sum of 1 (on split 0,
@@ -250,6 +266,7 @@ def lse_sweep_kernel(
     z_target = tl.zeros((BLOCK_N,), tl.float32)
     pz = tl.zeros((BLOCK_N,), tl.float32)
     wz = tl.zeros((BLOCK_N,), tl.float32)
+    s2 = tl.zeros((BLOCK_N,), tl.float32)
     best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK_N,), tl.int32)
 
@@ -265,7 +282,7 @@ def lse_sweep_kernel(
             z = logit_tile(
                 hidden_ptr, weight_ptr, bias_ptr, hidden_desc, weight_desc, pid_n * BLOCK_N, vt * BLOCK_V,
                 rows, cols, H, stride_hn, stride_hh, stride_wv, stride_wh, stride_b, logit_scale, softcap,
-                HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
+                softcap_out, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, BF16_EMULATION, INPUT_PRECISION, TMA,
             )
             if not EVEN_V:
                 z = tl.where(mask_v[None, :], z, float("-inf"))
@@ -273,11 +290,17 @@ def lse_sweep_kernel(
             m_new = tl.maximum(m, tile_max)
             alpha = tl.exp(m - m_new)
             e = tl.exp(z - m_new[:, None])
+            if METRICS:  # sum of exp(z - m) (z - m), moved to the new max: exact for peaked rows
+                ez = e * (z - m_new[:, None])
+                ez = ez if EVEN_V else tl.where(mask_v[None, :], ez, 0.0)  # not 0 * -inf
+                pz = alpha * (pz + tl.where(s > 0.0, (m - m_new) * s, 0.0)) + tl.sum(ez, axis=1)
             s = s * alpha + tl.sum(e, axis=1)
+            if SQUARES:
+                s2 = s2 * (alpha * alpha) + tl.sum(e * e, axis=1)
             if STORE_E:  # one tile per split (the host guarantees it): m_new is this tile's max
                 e_out = e
                 if HAS_SOFTCAP:
-                    e_out = tl.where(mask_v[None, :], e * softcap_grad(z, softcap), 0.0)
+                    e_out = tl.where(mask_v[None, :], e * softcap_grad(z, softcap_out), 0.0)
                 if E_TMA:  # rows and classes past the end are not written
                     e_desc.store([pid_n * BLOCK_N, vt * BLOCK_V],
                                  round_to(e_out, e_desc.dtype, BF16_EMULATION))
@@ -294,8 +317,6 @@ def lse_sweep_kernel(
                 else:
                     wz += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
             if METRICS:
-                ez = e * z if EVEN_V else tl.where(mask_v[None, :], e * z, 0.0)  # not 0 * -inf
-                pz = pz * alpha + tl.sum(ez, axis=1)
                 tile_arg = tl.argmax(z, axis=1, tie_break_left=True).to(tl.int32)
                 better = tile_max > best
                 best = tl.where(better, tile_max, best)
@@ -317,6 +338,8 @@ def lse_sweep_kernel(
         tl.store(argmax_ptr + pid_s.to(tl.int64) * N + offs_n, best_idx, mask=mask_n)
     if SMOOTHING:
         tl.store(base + 5 * plane, wz, mask=mask_n)
+    if SQUARES:
+        tl.store(base + 6 * plane, s2, mask=mask_n)
 
 
 @triton.jit
@@ -332,6 +355,7 @@ def combine_kernel(
     entropy_ptr,  # (N,) fp32 out when METRICS
     best_ptr,  # (N,) fp32 out when METRICS: the largest logit
     argmax_out_ptr,  # (N,) int64 out when METRICS: its global class id (first on ties)
+    squares_ptr,  # (N,) fp32 out when SQUARES: sum exp(2 (z - m)), m the row max
     N,
     V_total,  # the whole vocabulary (all shards)
     vocab_offset,
@@ -340,6 +364,7 @@ def combine_kernel(
     stride_t,
     METRICS: tl.constexpr,
     SMOOTHING: tl.constexpr,
+    SQUARES: tl.constexpr,
     BLOCK: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
 ):
@@ -363,6 +388,7 @@ def combine_kernel(
     z_target = tl.zeros((BLOCK,), tl.float32)
     pz_all = tl.zeros((BLOCK,), tl.float32)
     wz_all = tl.zeros((BLOCK,), tl.float32)
+    s2_all = tl.zeros((BLOCK,), tl.float32)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
     for s0 in range(0, SPLIT, SPLIT_BLOCK):
@@ -370,10 +396,13 @@ def combine_kernel(
         tile = (sp < SPLIT)[:, None] & mask[None, :]
         p = stats_ptr + sp[:, None] * N + offs[None, :]
         scale = tl.exp(tl.load(p, mask=tile, other=float("-inf")) - m_all[None, :])
-        s_all += tl.sum(tl.load(p + 1 * plane, mask=tile, other=0.0) * scale, axis=0)
+        s_i = tl.load(p + 1 * plane, mask=tile, other=0.0)
+        s_all += tl.sum(s_i * scale, axis=0)
         z_target += tl.sum(tl.load(p + 2 * plane, mask=tile, other=0.0), axis=0)
-        if METRICS:
-            pz_all += tl.sum(tl.load(p + 3 * plane, mask=tile, other=0.0) * scale, axis=0)
+        if METRICS:  # each split's sum of exp(z - m_i) (z - m_i), moved to m_all
+            m_i = tl.load(p, mask=tile, other=0.0)
+            q_i = tl.load(p + 3 * plane, mask=tile, other=0.0) + tl.where(s_i > 0.0, (m_i - m_all[None, :]) * s_i, 0.0)
+            pz_all += tl.sum(q_i * scale, axis=0)
             b = tl.load(p + 4 * plane, mask=tile, other=float("-inf"))
             b = tl.where(b == b, b, float("-inf"))
             step_best = tl.max(b, axis=0)
@@ -384,6 +413,8 @@ def combine_kernel(
             best_idx = tl.where(better, step_idx, best_idx)
         if SMOOTHING:
             wz_all += tl.sum(tl.load(p + 5 * plane, mask=tile, other=0.0), axis=0)
+        if SQUARES:
+            s2_all += tl.sum(tl.load(p + 6 * plane, mask=tile, other=0.0) * (scale * scale), axis=0)
     log_sum = tl.log(s_all)
     lse = m_all + log_sum
     target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)
@@ -393,7 +424,9 @@ def combine_kernel(
     tl.store(z_target_ptr + offs, tl.where(in_range, z_target, float("nan")), mask=mask)
     if SMOOTHING:
         tl.store(wz_ptr + offs, wz_all, mask=mask)
+    if SQUARES:
+        tl.store(squares_ptr + offs, s2_all, mask=mask)
     if METRICS:
-        tl.store(entropy_ptr + offs, lse - pz_all / s_all, mask=mask)
+        tl.store(entropy_ptr + offs, log_sum - pz_all / s_all, mask=mask)
         tl.store(best_ptr + offs, best, mask=mask)
         tl.store(argmax_out_ptr + offs, best_idx.to(tl.int64) + vocab_offset, mask=mask)

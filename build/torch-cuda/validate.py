@@ -25,6 +25,22 @@ class Options:
     return_lse: bool = False
     chunk_bytes: int | None = None
     strategy: str = "auto"
+    temperature: float = 1.0  # the logits are divided by it after the softcap (per-token outputs)
+    outputs: tuple = ()  # the per-token fields wanted (``tokens.FIELDS``); () for the loss
+
+    def kernel_scales(self) -> tuple[float, float, float, float]:
+        """(tile scale, softcap, softcap out, gradient scale): the kernels' float arguments, with the
+        temperature folded in (``logits.py``): ``z = softcap_out * tanh(a * tile_scale / softcap)``
+        or ``a * tile_scale``, and ``da = dz * gradient_scale * softcap'``. At temperature 1 they are
+        (logit_scale, softcap, softcap, logit_scale); 1.0 stands in for an absent softcap."""
+        t = self.temperature
+        if self.softcap is None:
+            scale = self.logit_scale / t if t != 1.0 else self.logit_scale
+            return float(scale), 1.0, 1.0, float(scale)
+        cap = float(self.softcap)
+        out = cap / t if t != 1.0 else cap
+        chain = self.logit_scale / t if t != 1.0 else self.logit_scale
+        return float(self.logit_scale), cap, float(out), float(chain)
 
 
 STRATEGIES = ("auto", "recompute", "chunked")
@@ -183,10 +199,13 @@ def check_options(opts: Options) -> None:
         raise ValueError(f"z_loss must be a finite number >= 0, got {opts.z_loss!r}")
     if opts.softcap is not None and not (_is_real(opts.softcap) and opts.softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
+    if not (_is_real(opts.temperature) and opts.temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {opts.temperature!r}")
     if opts.chunk_bytes is not None and (not _is_int(opts.chunk_bytes) or opts.chunk_bytes < 1):
         raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {opts.chunk_bytes!r}")
     if opts.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {opts.strategy!r}")
-    if opts.strategy == "chunked" and (why := chunked_unsupported(opts)) is not None:
+    # The per-token outputs (``outputs``) have their own chunked path and rules (tokens.chunked_unsupported).
+    if opts.strategy == "chunked" and not opts.outputs and (why := chunked_unsupported(opts)) is not None:
         raise ValueError(f'strategy="chunked" computes the gradients in the forward and cannot take {why}; '
                          'use strategy="recompute" or "auto"')

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from cases import Case, class_weights, make_inputs
 from conftest import ON_GPU, rel_err
-from fused_linear_ce import fused_linear_cross_entropy
+from fused_linear_ce import fused_linear_cross_entropy, fused_linear_logprobs
 
 # The workers run the Triton interpreter on CPU tensors with gloo; on a CUDA machine the kernels are
 # compiled for the GPU at import, so these CPU tests do not apply there. The NCCL versions (2 GPUs)
@@ -133,6 +133,48 @@ def _sharded_worker(rank, world, port, index):
     f"{k}={v}" for k, v in SHARDED_CASES[i].items()))
 def test_vocabulary_parallel_equals_single_process(world, index):
     _spawn(_sharded_worker, world, index)
+
+
+TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _token_run(hidden, weight, bias, targets, kwargs, group=None):
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    out = fused_linear_logprobs(leaves[0], leaves[1], targets, leaves[2], outputs=TOKEN_FIELDS, process_group=group,
+                                **kwargs)
+    g = torch.Generator().manual_seed(5)
+    (out["log_probs"] * torch.randn(targets.shape, generator=g) + out["entropy"] * torch.randn(
+        targets.shape, generator=g)).sum().backward()
+    return out, [t.grad for t in leaves]
+
+
+def _token_worker(rank, world, port, strategy):
+    """fused_linear_logprobs on a vocabulary shard: every field, and both gradients, as on the whole."""
+    _init(rank, world, port)
+    try:
+        case = Case(23, 40, 96, ignored=0.2, bias=True)
+        hidden, weight, bias, targets = make_inputs(case, device="cpu")
+        kwargs = dict(temperature=0.8, logit_scale=1.2, strategy=strategy)
+        shard = slice(rank * case.v // world, (rank + 1) * case.v // world)
+        full, full_grads = _token_run(hidden, weight, bias, targets, kwargs)
+        part, part_grads = _token_run(hidden, weight[shard].contiguous(), bias[shard].contiguous(), targets, kwargs,
+                                      group=dist.group.WORLD)
+        dist.barrier()
+        for name in TOKEN_FIELDS[:-1]:
+            assert rel_err(part[name], full[name]) < 1e-5, name
+        assert torch.equal(part["is_top1"], full["is_top1"])
+        assert rel_err(part_grads[0], full_grads[0]) < 1e-5, "grad_hidden (full on every rank)"
+        assert rel_err(part_grads[1], full_grads[1][shard]) < 1e-5, "grad_weight shard"
+        assert rel_err(part_grads[2], full_grads[2][shard]) < 1e-5, "grad_bias shard"
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _exit_cleanly()
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "chunked"])
+def test_per_token_outputs_on_vocabulary_shards_equal_the_whole(strategy):
+    _spawn(_token_worker, 2, strategy)
 
 
 def _unequal_worker(rank, world, port):
