@@ -430,7 +430,7 @@ print(sorted(m.__all__), float((m.fused_linear_cross_entropy(h, w, t) - ref).abs
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     names, diff = proc.stdout.strip().rsplit(" ", 1)
-    flat_all = ast.literal_eval(re.search(r"__all__ = (\[.*?\])", (VARIANT / "__init__.py").read_text()).group(1))
+    flat_all = ast.literal_eval(re.search(r"__all__ = (\[.*?\])", (VARIANT / "__init__.py").read_text(), re.S).group(1))
     assert names == repr(sorted(flat_all))
     assert float(diff) < 1e-4
 
