@@ -82,6 +82,11 @@ def test_tiny_quick_run_writes_every_row_and_the_table(harness, tmp_path, capsys
     assert set(by) == {(d, "-", "matmul") for d in ("random", "peaked")} | {
         (d, wl, m) for d in ("random", "peaked") for wl in ("sft", "grpo", "ref") for m in methods}
     for (dist, wl, method), row in by.items():
+        if method == "flce-chunked" and wl != "ref" and row["error"]:
+            # the chunked path computes the gradients in its forward: it may refuse a per-token upstream
+            # gradient with a ValueError, which the harness records as the row's error
+            assert row["error"].startswith("ValueError"), (dist, wl, row["error"])
+            continue
         assert not row["error"], (dist, wl, method, row["error"])
         assert row["fwd_ms"] > 0
         if method == "matmul":
