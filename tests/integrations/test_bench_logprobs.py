@@ -164,3 +164,21 @@ def test_reference_gradients_match_autograd(harness, monkeypatch):
             assert ref["loss"][wl] == pytest.approx(loss.item(), rel=1e-12)
             assert bench_logprobs.rel(ref["dx"][wl], dx) < 1e-6, (dist, wl)  # stored as fp32
             assert bench_logprobs.rel(ref["dw"][wl], dw) < 1e-6, (dist, wl)
+
+
+def test_plain_torch_in_checkpointed_row_chunks_matches_the_whole(harness):
+    """The torch method's fallback where its logits would not fit (chunked, checkpointed): same values
+    and gradients as in one piece."""
+    bench_logprobs, _ = harness
+    hidden, weight, targets = bench_logprobs.make_data(37, 16, 200, "peaked", torch.device("cpu"), 3)
+    outputs, grad = bench_logprobs.WORKLOADS["grpo"]
+    adv = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    got = []
+    for chunk_rows in (None, 10):
+        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        out = bench_logprobs.torch_logprobs(h, w, targets, outputs, grad, chunk_rows=chunk_rows)
+        bench_logprobs.workload_loss("grpo", out, adv).backward()
+        got.append((out["log_probs"].detach(), out["entropy"].detach(), h.grad, w.grad))
+    for name, whole, chunked in zip(("log_probs", "entropy", "dX", "dW"), *got):
+        # dW: the chunks' bf16 gradients are summed in bf16, one rounding per chunk
+        assert bench_logprobs.rel(chunked, whole.float()) < (4e-3 if name == "dW" else 1e-6), name
