@@ -10,6 +10,10 @@ Writes, beside the JSON (or under --out), for a JSON named <stem>.json:
   <stem>_accuracy.png  forward+backward time against the worse of the dX / dW errors, first shape,
                        one panel per distribution
   <stem>_memory.png    extra memory per method, one bar per shape sharing the first shape's H and V
+A JSON from bench_logprobs.py (meta.harness == "bench_logprobs") gives instead:
+  <stem>.md            markdown table: shape, dist, workload, method, times, extra memory, errors
+  <stem>_logprobs.png  fwd+bwd ms (ref: fwd ms) and extra MiB per method and shape, one column per
+                       workload, first distribution, with the cuBLAS matmul floor marked
 The table needs nothing beyond the standard library; the PNGs need matplotlib (skipped with a note
 when it is missing).
 """
@@ -238,6 +242,86 @@ def memory(data, path, plt):
     plt.close(fig)
 
 
+LOGPROBS_VERSIONS = ("torch", "triton", "trl", "transformers")
+
+
+def logprobs_header(meta):
+    vers = ", ".join(f"{k} {meta[k]}" for k in LOGPROBS_VERSIONS if meta.get(k))
+    return f"GPU: {meta.get('gpu')} · {vers} · {meta.get('date')} · per-token harness (bench_logprobs.py)"
+
+
+def logprobs_table(data):
+    """The bench_logprobs.py table: one line per (shape, dist, workload, method), the matmul first."""
+    meta, rows = data["meta"], data["rows"]
+    out = [logprobs_header(meta), ""]
+    for key, s in meta.get("data", {}).items():
+        mm = f", one matmul {s['matmul_ms']:.2f} ms" if s.get("matmul_ms") else ""
+        out.append(f"- {key}: reference {s.get('reference')}; mean p(target) {s['mean_p_target']:.3g}, mean entropy "
+                   f"{s['mean_entropy']:.3g}, target is top-1 for {s['top1_share']:.0%}{mm}")
+    out.append(f"- grpo loss: -(log_probs * adv).mean() - {meta.get('entropy_coef')} * entropy.mean(); errors are "
+               "relative Frobenius against the reference; top-1: share of tokens whose is_top1 differs from it")
+    for s in meta.get("skipped", []):
+        out.append(f"- skipped {s}")
+    for note in meta.get("notes", []):
+        out.append(f"- {note}")
+    out += ["", "| shape | dist | workload | method | fwd ms | fwd / matmul | fwd+bwd ms | extra MiB | loss err | "
+            "dX err | dW err | log_probs err | entropy err | top-1 diff |", "|---" * 14 + "|"]
+    for r in rows:
+        method = "matmul (1; 3 for fwd+bwd)" if r["method"] == "matmul" else r["method"]
+        lead = f"| {r['shape']} ({r['N']}x{r['H']}x{r['V']}) | {r['dist']} | {r['workload']} | {method} |"
+        if r.get("error"):
+            out.append(f"{lead} error: {r['error'][:80].replace('|', '/')} |" + " |" * 9)
+            continue
+        cells = [e(r.get("fwd_ms"), ".2f"), e(r.get("fwd_x_matmul"), ".2f"), e(r.get("fwdbwd_ms"), ".2f"),
+                 e(r.get("extra_mib"), ".1f"), e(r.get("loss_rel")), e(r.get("dx_rel")), e(r.get("dw_rel")),
+                 e(r.get("logprobs_rel")), e(r.get("entropy_rel")), e(r.get("top1_mismatch"), ".2%")]
+        out.append(f"{lead} " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def logprobs_figure(data, path, plt):
+    """Bars per shape, one per method: top fwd+bwd ms (ref: fwd ms) with the matmul floor (3 matmuls;
+    ref: 1) as a black line over each shape's bars, bottom extra MiB; one column per workload; first
+    distribution (the times hardly depend on it). Log axes: S4 is 8x S1."""
+    rows = [r for r in data["rows"] if not r.get("error")]
+    dist = order(data["rows"], "dist")[0]
+    shapes = order(data["rows"], "shape")
+    workloads = [w for w in order(data["rows"], "workload") if w != "-"]
+    methods = [m for m in order(data["rows"], "method") if m != "matmul"]
+    if not workloads or not methods:
+        return
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.6 * len(workloads), 6.4), squeeze=False)
+    width = 0.8 / len(methods)
+    for col, wl in enumerate(workloads):
+        key = "fwd_ms" if wl == "ref" else "fwdbwd_ms"
+        for ax, what in zip(axes[:, col], (key, "extra_mib")):
+            for k, m in enumerate(methods):
+                got = {r["shape"]: r[what] for r in rows if r["workload"] == wl and r["method"] == m
+                       and r["dist"] == dist and r.get(what) is not None}
+                xs = [i + (k - (len(methods) - 1) / 2) * width for i, s in enumerate(shapes) if s in got]
+                vals = [max(got[s], MiB_FLOOR) for s in shapes if s in got]
+                ax.bar(xs, vals, width=width, color=OURS if m == "flce" else f"C{1 + k}", label=m)
+            if what != "extra_mib":
+                for i, s in enumerate(shapes):
+                    mm = next((r[key] for r in rows if r["method"] == "matmul" and r["shape"] == s
+                               and r["dist"] == dist and r.get(key)), None)
+                    if mm:
+                        ax.plot([i - 0.45, i + 0.45], [mm, mm], color="black", lw=1.2,
+                                label=("1 matmul" if wl == "ref" else "3 matmuls") if i == 0 else None)
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(shapes)), shapes, fontsize=8)
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+            ax.tick_params(axis="y", labelsize=7)
+        axes[0, col].set_title(f"{wl} ({dist} data)", fontsize=9)
+        axes[0, col].set_ylabel(("fwd" if wl == "ref" else "fwd+bwd") + " ms (log, lower is better)", fontsize=8)
+        axes[1, col].set_ylabel("extra MiB (log)", fontsize=8)
+        axes[0, col].legend(fontsize=6.5)
+    fig.suptitle(logprobs_header(data["meta"]), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="?", default="benchmarks/results/h200.json")
@@ -248,7 +332,8 @@ def main(argv=None):
     out = Path(args.out) if args.out else src.parent
     out.mkdir(parents=True, exist_ok=True)
     stem = src.stem
-    (out / f"{stem}.md").write_text(table(data))
+    logprobs = data.get("meta", {}).get("harness") == "bench_logprobs"
+    (out / f"{stem}.md").write_text(logprobs_table(data) if logprobs else table(data))
     print(f"wrote {out / f'{stem}.md'}")
     try:
         import matplotlib
@@ -258,7 +343,8 @@ def main(argv=None):
     except ImportError:
         print("note: matplotlib missing; PNGs skipped", file=sys.stderr)
         return
-    for name, draw in (("frontier", frontier), ("accuracy", accuracy), ("memory", memory)):
+    figures = (("logprobs", logprobs_figure),) if logprobs else (("frontier", frontier), ("accuracy", accuracy), ("memory", memory))
+    for name, draw in figures:
         draw(data, out / f"{stem}_{name}.png", plt)
         print(f"wrote {out / f'{stem}_{name}.png'}")
 

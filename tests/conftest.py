@@ -60,6 +60,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 GPU_SECONDS = {
     "test_autotune.py": 190,  # 31 tests; autotuning compiles and times several tile candidates each
     "test_benchmark.py": 60,  # bench.py subprocesses
+    "test_bench_logprobs.py": 60,  # bench_logprobs.py in process: our kernels' and TRL's first compiles
     "test_bf16_emulation.py": 2,
     "test_borrowed_accumulator.py": 15,
     "test_correctness.py": 340,  # 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
