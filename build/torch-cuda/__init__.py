@@ -12,7 +12,4 @@ from .api import fused_linear_cross_entropy
 from .layers import for_causal_lm_loss as ForCausalLMLoss
 from .patching import patch_model, unpatch_model
 
-__all__ = [
-    "ForCausalLMLoss", "autotune", "configs", "fused_linear_cross_entropy", "layers", "patch_model", "reference",
-    "unpatch_model",
-]
+__all__ = ["ForCausalLMLoss", "autotune", "configs", "fused_linear_cross_entropy", "layers", "patch_model", "reference", "unpatch_model"]
