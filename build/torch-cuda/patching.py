@@ -170,7 +170,7 @@ class _Call:
             raise TypeError("patch_model: the output embedding was called with more than the hidden states")
         self.head_calls += 1
         if self.head_calls > 1:
-            raise RuntimeError("patch_model: the model called its output embedding twice in one forward; the fused "
+            raise ValueError("patch_model: the model called its output embedding twice in one forward; the fused "
                                "loss supports one call (the last hidden states)")
         self.hidden = hidden
         local = _local_hidden(hidden)
@@ -185,7 +185,7 @@ class _Call:
         ``TransformersKwargs``) change nothing there and nothing here."""
         self.loss_calls += 1
         if not isinstance(logits, LogitsProbe) or logits.call is not self:
-            raise RuntimeError("patch_model: the logits given to the loss did not come from the output embedding")
+            raise ValueError("patch_model: the logits given to the loss did not come from the output embedding")
         hidden = _local_hidden(self.hidden)
         weight, bias, group = _head_operands(self.head)
         v = weight.shape[0] * (1 if group is None else torch.distributed.get_world_size(group))
@@ -367,7 +367,7 @@ def _patched_forward(self, *args, **kwargs):
     with _Swap((head, target, call.head_forward), (self, "_loss_function", call.loss_function)):
         out = patch.original(*bound.args, **bound.kwargs)
     if call.loss_calls != 1:
-        raise RuntimeError(f"patch_model: {type(self).__name__}'s forward called its loss_function {call.loss_calls} "
+        raise ValueError(f"patch_model: {type(self).__name__}'s forward called its loss_function {call.loss_calls} "
                            "times with labels (once expected): it computes its loss another way, which the fused "
                            "loss cannot stand in for; unpatch_model(model)")
     return _without_logits(out, call.metrics)

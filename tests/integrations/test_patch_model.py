@@ -3,8 +3,8 @@ otherwise does exactly what the unpatched model does. Tiny random models (hidden
 2 layers, 16 tokens), fp32, the patched model against an unpatched copy from the same weights: the
 real Trainer for 3 steps with gradient accumulation (Llama; Gemma-2 with its softcap and tied
 embeddings), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
-auxiliary loss, PEFT LoRA, DTensor weights, generation, refusals; on a GPU, peak memory at a 32k
-vocabulary in bf16."""
+auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an accelerate hook on the
+head, generation, refusals; on a GPU, peak memory at a 32k vocabulary in bf16."""
 
 import copy
 import datetime
@@ -23,6 +23,8 @@ import fused_linear_ce  # noqa: E402
 from fused_linear_ce import patch_model, patching, unpatch_model  # noqa: E402
 
 V, H, T, B = 128, 32, 16, 2
+# fp32 relative tolerance (measured on CPU: ~3e-7; GPU reductions run in other orders and were not measured).
+TOL = 1e-4 if ON_GPU else 1e-5
 SMALL = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 
@@ -63,7 +65,8 @@ def pair(make):
     return theirs, ours
 
 
-def assert_same_grads(theirs, ours, tol=1e-5):
+def assert_same_grads(theirs, ours, tol=None):
+    tol = TOL if tol is None else tol
     named = dict(ours.named_parameters())
     checked = 0
     for name, p in theirs.named_parameters():
@@ -156,11 +159,11 @@ def test_trainer_steps_give_the_unpatched_losses_and_gradients(make, tmp_path):
     assert all(n is not None for n in got["num_items"]) and len({int(n) for n in got["num_items"]}) > 1
     assert all(lg is None for lg in got["logits"]) and all(lg is not None for lg in want["logits"])
     for a, b in zip(got["loss"], want["loss"]):
-        torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b.float(), rtol=TOL, atol=1e-6)
     for g_ours, g_theirs in zip(got["grads"], want["grads"]):
         assert g_ours.keys() == g_theirs.keys()
         for name in g_theirs:
-            assert rel_err(g_ours[name], g_theirs[name]) < 1e-5, name
+            assert rel_err(g_ours[name], g_theirs[name]) < TOL, name
     if make is gemma2:  # the softcap matters at this spread: uncapped, the loss is far from the model's
         uncapped = patch_model(gemma2(cap=None))
         ids, labels, mask = batch()
@@ -180,12 +183,12 @@ def test_shift_labels_are_used_as_given_with_or_without_labels():
     shift[:, ::3] = -100
     want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift)
     got = step(ours, input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
     assert_same_grads(theirs, ours)
     # shift_labels alone: transformers' model computes no loss without labels; the patched one does.
     alone = ours(input_ids=ids, attention_mask=mask, shift_labels=shift)
     assert alone.logits is None
-    torch.testing.assert_close(alone.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(alone.loss, want.loss, rtol=TOL, atol=1e-6)
 
 
 def test_ignore_index_num_items_and_metrics():
@@ -200,7 +203,7 @@ def test_ignore_index_num_items_and_metrics():
         kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
         want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
         got = step(ours, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
         assert_same_grads(theirs, ours)
     logits = want.logits.detach()[:, :-1]
     targets = labels[:, 1:]
@@ -208,8 +211,8 @@ def test_ignore_index_num_items_and_metrics():
     accuracy = (logits.argmax(-1) == targets)[counted].float().mean()
     logp = logits.log_softmax(-1)
     entropy = -(logp.exp() * logp).sum(-1)[counted].mean()
-    torch.testing.assert_close(got["mean_token_accuracy"], accuracy, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got["entropy"], entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["mean_token_accuracy"], accuracy, rtol=TOL, atol=1e-6)
+    torch.testing.assert_close(got["entropy"], entropy, rtol=TOL, atol=1e-6)
     assert "mean_token_accuracy" not in theirs(input_ids=ids, labels=labels)
 
 
@@ -227,7 +230,7 @@ def test_lm_head_bias():
     ids, labels, mask = batch()
     want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
     got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
     assert ours.lm_head.bias.grad is not None
     assert_same_grads(theirs, ours)
 
@@ -243,7 +246,26 @@ def test_logit_transforms_are_read_from_what_the_forward_does(hook):
     ids, labels, mask = batch()
     want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
     got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
+    assert_same_grads(theirs, ours)
+
+
+def test_an_accelerate_hook_on_the_head_still_runs():
+    """accelerate's hooks (device placement, offload) wrap the head's forward and keep the original as
+    ``_old_forward``: the stub stands in for that, so the hook runs around it."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Halve(ModelHook):
+        def post_forward(self, module, output):
+            return output / 2.0
+
+    theirs, ours = pair(llama)
+    for m in (theirs, ours):
+        add_hook_to_module(m.lm_head, Halve())
+    ids, labels, mask = batch()
+    want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
+    got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
     assert_same_grads(theirs, ours)
 
 
@@ -273,7 +295,7 @@ def test_mixtral_adds_its_router_auxiliary_loss():
     assert got.aux_loss is not None and got.logits is None
     torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
     assert abs((want.loss - 0.5 * want.aux_loss) - want.loss) > 1e-3  # the auxiliary term matters
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
     assert_same_grads(theirs, ours)
 
 
@@ -296,7 +318,7 @@ def test_peft_lora(when):
     want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
     got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
     assert got.logits is None
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
     lora = [n for n, p in ours.named_parameters() if p.grad is not None]
     assert lora and all("lora_" in n for n in lora)
     assert_same_grads(theirs, ours)
@@ -358,7 +380,7 @@ def test_dtensor_weights_on_a_one_rank_mesh(gloo_mesh, monkeypatch):
         patch_model(ours)
         got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
         assert groups.pop() is group
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
         assert type(ours.lm_head.weight.grad).__name__ == "DTensor"
         assert_same_grads(theirs, ours)
     ours = copy.deepcopy(theirs)
@@ -366,6 +388,36 @@ def test_dtensor_weights_on_a_one_rank_mesh(gloo_mesh, monkeypatch):
     ours.lm_head.bias = None
     with pytest.raises(ValueError, match=r"placements \(Shard\(dim=1\),\)"):
         patch_model(ours)(input_ids=ids, labels=labels)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU/gloo test (Triton interpreter)")
+def test_fsdp2_root_unit_gives_plain_weights_in_the_forward(gloo_mesh, monkeypatch):
+    """fully_shard on the layers and the root (which holds the lm head): the loss runs inside the root's
+    forward, where the weights are unsharded plain tensors (no process group), and the gradients reach
+    the sharded parameters. An lm head sharded as a unit of its own is refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups = []
+    kernel = patching.fused_linear_cross_entropy
+    monkeypatch.setattr(patching, "fused_linear_cross_entropy",
+                        lambda *a, **k: groups.append(k["process_group"]) or kernel(*a, **k))
+    theirs = llama()
+    ours = copy.deepcopy(theirs)
+    for layer in ours.model.layers:
+        fully_shard(layer, mesh=gloo_mesh)
+    fully_shard(ours, mesh=gloo_mesh)
+    assert type(ours.lm_head.weight).__name__ == "DTensor"
+    patch_model(ours)
+    ids, labels, mask = batch()
+    want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
+    got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
+    assert groups == [None]
+    torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
+    assert_same_grads(theirs, ours)
+    alone = copy.deepcopy(theirs)
+    fully_shard(alone.lm_head, mesh=gloo_mesh)
+    with pytest.raises(ValueError, match="FSDP unit of its own"):
+        patch_model(alone)
 
 
 # --- untouched without labels, unpatching, refusals ---------------------------------------------------------------------
@@ -414,6 +466,10 @@ def test_refusals():
         patch_model(transformers.LlamaModel(transformers.LlamaConfig(**SMALL)))
     with pytest.raises(ValueError, match="strategy"):
         patch_model(llama(), strategy="fast")
+    twice = llama()
+    twice.lm_head.register_forward_hook(lambda module, args, out: module.forward(args[0]))
+    with pytest.raises(ValueError, match="twice"):
+        patch_model(twice)(input_ids=ids, labels=labels)
 
 
 # --- GPU: memory -----------------------------------------------------------------------------------------------------------
