@@ -117,7 +117,7 @@ class LogitsProbe(torch.Tensor):
             raise _unsupported(name)
         probe = probes[0]
         transform = probe.transform
-        if func in _SAME and all(not isinstance(a, torch.Tensor) or a is probe or a.numel() <= 1 for a in args[1:]):
+        if func in _SAME:
             pass
         elif func in _TANH and len(args) == 1 and not kwargs:
             if transform.tanh:
@@ -158,8 +158,8 @@ def _unsupported(name: str) -> ValueError:
 class _Call:
     """What one patched forward records: the hidden states the head got, the loss, the metrics."""
 
-    def __init__(self, model, head: nn.Linear, options: dict):
-        self.model, self.head, self.options = model, head, options
+    def __init__(self, head: nn.Linear, options: dict):
+        self.head, self.options = head, options
         self.hidden = None
         self.head_calls = 0
         self.loss_calls = 0
@@ -334,7 +334,7 @@ class _Swap:
 class _Patch:
     """The state a patched model carries: its forward before patching, the options, on/off."""
 
-    def __init__(self, model, original, had_forward: bool, options: dict):
+    def __init__(self, original, had_forward: bool, options: dict):
         self.original, self.had_forward, self.options = original, had_forward, options
         self.active = True
         self.signature = inspect.signature(original)
@@ -362,7 +362,8 @@ def _patched_forward(self, *args, **kwargs):
     if labels is None:  # shift_labels alone: the model computes its loss only when it has labels
         arguments["labels"] = shift_labels
     head = _check_head(self)
-    call = _Call(self, head, patch.options)
+    _check_loss_function(self)
+    call = _Call(head, patch.options)
     target = "_old_forward" if hasattr(head, "_hf_hook") and "_old_forward" in vars(head) else "forward"
     with _Swap((head, target, call.head_forward), (self, "_loss_function", call.loss_function)):
         out = patch.original(*bound.args, **bound.kwargs)
@@ -436,7 +437,7 @@ def patch_model(model, *, return_metrics: bool = False, chunk_bytes: int | None 
     _check_loss_function(base)
     original = base.forward
     had_forward = "forward" in vars(base)
-    patch = _Patch(base, original, had_forward, options)
+    patch = _Patch(original, had_forward, options)
     wrapper = functools.wraps(getattr(original, "__func__", original))(_copy(_patched_forward))
     object.__setattr__(base, _STATE, patch)
     object.__setattr__(base, "forward", types.MethodType(wrapper, base))
