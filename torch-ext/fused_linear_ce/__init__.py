@@ -5,7 +5,8 @@ entropy, top-1 and more, differentiable); ``ChunkedLogProbFunction`` and ``use_i
 for TRL's fused LM head, ``trl_head``); ``ForCausalLMLoss`` (transformers' loss-function
 signature, fused when given hidden states and the lm-head weight); ``layers`` (kernelize layers); the
 plain-torch ``reference``; ``configs`` (block sizes and the backward plan); ``autotune`` (opt-in
-tuning of the tiles for the exact shape).
+tuning of the tiles for the exact shape); ``patch_model`` / ``unpatch_model`` (a transformers causal LM
+computes its loss with the fused kernel, ``logits=None``).
 """
 
 from . import autotune, configs, layers, reference, trl_head
@@ -13,6 +14,7 @@ from .api import fused_linear_cross_entropy
 from .logprobs import fused_linear_logprobs
 from .trl_head import ChunkedLogProbFunction, use_in_trl
 from .layers import for_causal_lm_loss as ForCausalLMLoss
+from .patching import patch_model, unpatch_model
 
 __all__ = ["ChunkedLogProbFunction", "ForCausalLMLoss", "autotune", "configs", "fused_linear_cross_entropy",
-           "fused_linear_logprobs", "layers", "reference", "trl_head", "use_in_trl"]
+           "fused_linear_logprobs", "layers", "patch_model", "reference", "trl_head", "unpatch_model", "use_in_trl"]
