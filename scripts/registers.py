@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "torch-ext"))
 _FP32_PTRS = {"stats_ptr", "lse_ptr", "coef_ptr", "class_weight_ptr", "dbias_ptr", "scale_ptr", "tile_max_ptr",
               "z_target_ptr"}
 _INT_PTRS = {"targets_ptr": "*i64", "argmax_ptr": "*i32"}
-_FLOATS = {"logit_scale", "softcap"}
+_FLOATS = {"logit_scale", "softcap", "softcap_out", "grad_scale"}
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ def cases() -> list[Case]:
     dlogits = configs._GPU_DLOGITS
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=True)
-    forward = dict(logit, METRICS=False, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
+    forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
                    BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, GROUP_M=0,
                    SKIP_IGNORED=True)
     descs = dict(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
-    backward = dict(logit, SMOOTHING=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
+    backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
                     BLOCK_H=dlogits.block_h, GROUP_M=dlogits.group_m)
     dlogits_descs = dict(hidden_desc=(dlogits.block_n, dlogits.block_h), weight_desc=(dlogits.block_v, dlogits.block_h))
     chunk_descs = dict(hidden_desc=(chunked.block_n, chunked.block_h), weight_desc=(chunked.block_v, chunked.block_h),
@@ -77,10 +77,15 @@ def cases() -> list[Case]:
              dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
                   STORE_E=True, E_TMA=True,
                   GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps, chunked.num_stages),
+        Case("sweep, every per-token field", "lse_sweep_kernel", "sweep",
+             dict(forward, METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False), descs,
+             sweep.num_warps, sweep.num_stages),
         Case("dlogits", "dlogits_kernel", "recompute", dict(backward, HAS_BIAS=False, BIAS_GRAD=False),
              dlogits_descs, dlogits.num_warps, dlogits.num_stages),
         Case("dlogits, bias gradient", "dlogits_kernel", "recompute",
              dict(backward, HAS_BIAS=True, BIAS_GRAD=True), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
+        Case("dlogits, entropy gradient", "dlogits_kernel", "recompute", dict(backward, ENTROPY_GRAD=True,
+             HAS_BIAS=False, BIAS_GRAD=False), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
         Case("matmul, da^T", "matmul_kernel", "products", dict(matmul, A_T=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
         Case("matmul", "matmul_kernel", "products", dict(matmul, A_T=False),
