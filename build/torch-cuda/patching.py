@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .api import fused_linear_cross_entropy
+from .api import _shift, fused_linear_cross_entropy
+from .logprobs import fused_linear_logprobs
 
 _STATE = "_fused_linear_ce_patch"
 METRIC_KEYS = ("mean_token_accuracy", "entropy")
@@ -164,6 +165,7 @@ class _Call:
         self.head_calls = 0
         self.loss_calls = 0
         self.metrics = None
+        self.fields = None
 
     def head_forward(self, hidden, *args, **kwargs):
         if args or kwargs:
@@ -204,6 +206,9 @@ class _Call:
         if isinstance(num_items_in_batch, float):
             num_items_in_batch = torch.tensor(num_items_in_batch, device=hidden.device)
         logit_scale, softcap = logits.transform.kernel_options()
+        if self.options["outputs"]:
+            return self._from_fields(hidden, weight, targets.to(hidden.device), bias, ignore_index, logit_scale,
+                                     softcap, shift_labels is None, num_items_in_batch, group)
         out = fused_linear_cross_entropy(
             hidden, weight, targets.to(hidden.device), bias, ignore_index=ignore_index, logit_scale=logit_scale,
             softcap=softcap, return_metrics=self.options["return_metrics"], shift=shift_labels is None,
@@ -214,6 +219,24 @@ class _Call:
             out, metrics = out
             self.metrics = {k: metrics[k] for k in METRIC_KEYS}
         return out
+
+    def _from_fields(self, hidden, weight, targets, bias, ignore_index, logit_scale, softcap, shift, num_items, group):
+        """With per-token ``outputs``: one ``fused_linear_logprobs`` call gives the fields, and the loss is
+        their ``-sum(log_probs)`` over ``num_items_in_batch`` (the counted tokens when not given), as
+        transformers' ``ForCausalLMLoss``; the metrics come from the same fields."""
+        wanted = set(self.options["outputs"]) | ({"entropy", "is_top1"} if self.options["return_metrics"] else set())
+        fields = fused_linear_logprobs(
+            hidden, weight, targets, bias, logit_scale=logit_scale, softcap=softcap, outputs=tuple(wanted),
+            ignore_index=ignore_index, shift=shift, process_group=group, chunk_bytes=self.options["chunk_bytes"],
+            strategy=self.options["strategy"])
+        scored = _shift(targets, ignore_index) if shift and targets.shape[-1] > 0 else targets
+        total = (scored != ignore_index).sum().to(torch.float32)
+        loss = -fields["log_probs"].sum() / (total if num_items is None else num_items)
+        if self.options["return_metrics"]:
+            self.metrics = {"mean_token_accuracy": (fields["is_top1"].float().sum() / total).detach(),
+                            "entropy": (fields["entropy"].sum() / total).detach()}
+        self.fields = {k: fields[k] for k in self.options["outputs"]}
+        return loss
 
 
 def _dtensor_types():
@@ -371,7 +394,7 @@ def _patched_forward(self, *args, **kwargs):
         raise ValueError(f"patch_model: {type(self).__name__}'s forward called its loss_function {call.loss_calls} "
                            "times with labels (once expected): it computes its loss another way, which the fused "
                            "loss cannot stand in for; unpatch_model(model)")
-    return _without_logits(out, call.metrics)
+    return _without_logits(out, {**(call.metrics or {}), **(call.fields or {})})
 
 
 def _without_logits(out, metrics):
@@ -392,7 +415,8 @@ def _without_logits(out, metrics):
     return out
 
 
-def patch_model(model, *, return_metrics: bool = False, chunk_bytes: int | None = None, strategy: str = "auto"):
+def patch_model(model, *, return_metrics: bool = False, outputs=(), chunk_bytes: int | None = None,
+                strategy: str = "auto"):
     """Makes ``model(..., labels=labels)`` compute the causal-LM loss with the fused kernel, with
     ``logits=None`` in the output; patches in place and returns ``model``.
 
@@ -410,7 +434,13 @@ def patch_model(model, *, return_metrics: bool = False, chunk_bytes: int | None 
     labels it is the model's forward, untouched (``generate``).
 
     ``return_metrics``: the output also carries ``mean_token_accuracy`` and ``entropy`` (0-d fp32, over
-    the counted tokens of this call). ``chunk_bytes`` and ``strategy``: as ``fused_linear_cross_entropy``.
+    the counted tokens of this call). ``outputs``: per-token fields among ``fused_linear_logprobs``'s
+    (``"log_probs"``, ``"entropy"``, ``"log_sum_sq_probs"``, ``"mean_logits"``, ``"is_top1"``), each
+    returned in the output under its name, shaped like the labels (position t scored against label
+    t + 1 after the shift, the last position 0; ignored positions 0); the loss is then
+    ``-sum(log_probs) / num_items_in_batch`` (or over the counted tokens) from the same sweep, and
+    ``log_probs`` and ``entropy`` carry gradients (add an entropy bonus to the loss yourself).
+    ``chunk_bytes`` and ``strategy``: as ``fused_linear_cross_entropy``.
 
     Distributed: under FSDP2 (``fully_shard`` on the model, the lm head in the root unit or a unit that
     holds the whole forward), the weights are plain, unsharded tensors during the forward, where the loss
@@ -422,9 +452,12 @@ def patch_model(model, *, return_metrics: bool = False, chunk_bytes: int | None 
     """
     from .validate import Options, check_flag, check_options
 
+    from .logprobs import _check_outputs
+
     check_flag("return_metrics", return_metrics)
     check_options(Options(chunk_bytes=chunk_bytes, strategy=strategy))
-    options = {"return_metrics": return_metrics, "chunk_bytes": chunk_bytes, "strategy": strategy}
+    options = {"return_metrics": return_metrics, "outputs": _check_outputs(outputs), "chunk_bytes": chunk_bytes,
+               "strategy": strategy}
     base = _base(model)
     if not isinstance(base, nn.Module):
         raise TypeError(f"patch_model takes a transformers model (torch.nn.Module), got {type(base).__name__}")

@@ -509,3 +509,39 @@ def test_peak_memory_is_lower_than_unpatched_at_a_32k_vocabulary():
     logits_bytes = 4 * 1024 * 32000 * 4  # one fp32 copy of the logits
     assert got_bytes < want_bytes - logits_bytes, (got_bytes / 2**20, want_bytes / 2**20)
     assert_same_grads(theirs, ours, tol=5e-2)
+
+
+def test_per_token_fields_on_request_with_the_same_loss_and_gradients():
+    """outputs=(...): the per-token fields under their names (shifted positions, 0 where ignored and at
+    the last position), the loss from the same sweep equal to the unpatched model's, log_probs and
+    entropy differentiable; metrics from the same fields."""
+    theirs = llama()
+    fields = ("log_probs", "entropy", "is_top1")
+    ours = patch_model(copy.deepcopy(theirs), outputs=fields, return_metrics=True)
+    ids, labels, mask = batch()
+    for num_items in (None, 19):
+        for m in (theirs, ours):
+            m.zero_grad()
+        kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
+        want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+        got = step(ours, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
+        assert_same_grads(theirs, ours)
+    logits = want.logits.detach().float()
+    scored = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    counted = scored != -100
+    logp = logits.log_softmax(-1)
+    expected = {
+        "log_probs": torch.where(counted, logp.gather(-1, scored.clamp(min=0)[..., None])[..., 0], 0.0),
+        "entropy": torch.where(counted, -(logp.exp() * logp).sum(-1), 0.0),
+        "is_top1": counted & (logits.argmax(-1) == scored),
+    }
+    for name in fields:
+        assert got[name].shape == labels.shape, name
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], rtol=TOL, atol=1e-5)
+    torch.testing.assert_close(got["entropy"], expected["entropy"], rtol=TOL, atol=1e-5)
+    assert torch.equal(got["is_top1"], expected["is_top1"])
+    assert got["log_probs"].requires_grad and got["entropy"].requires_grad
+    torch.testing.assert_close(got["mean_token_accuracy"], expected["is_top1"][counted].float().mean())
+    with pytest.raises(ValueError, match="unknown outputs"):
+        patch_model(llama(), outputs=("perplexity",))
