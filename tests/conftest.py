@@ -125,7 +125,7 @@ GPU_TIER = {
     "test_extremes.py": ("[N45H72V700-bfloat16-mean-bias-scale0.001-cap0.001]", "test_logits_of_magnitude_1e4_give_a_finite_loss_and_the_right_gradient[bf16]"),
     "test_grad_semantics.py": ("test_second_backward_accumulates_into_existing_grad",),
     "test_loader.py": True,
-    "test_logprobs.py": ("[bf16-", "test_compiles"),
+    "test_logprobs.py": ("[bf16-", "test_compiles", "test_cuda_graph"),
     "test_hub_cache.py": ("test_get_kernel_version_from_hub_cache_offline",),
     "test_patch_model.py": ("test_peak_memory_is_lower_than_unpatched",),
 }
