@@ -264,7 +264,6 @@ def _setup_context(ctx, inputs, output):
     ctx.options = o
     ctx.chunked = keeps_exponentials(opts, hidden.shape[0], weight.shape[0], hidden.dtype, computed)
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    ctx.spent = False
     # Unused outputs get no gradient (None), not a materialised zero: the entropy's backward work
     # runs only when the entropy reaches the loss.
     ctx.set_materialize_grads(False)
@@ -274,18 +273,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_lp, grad_ent, *_rest):
-    if "entropy" not in ctx.options["outputs"]:
-        grad_ent = None
+    if "entropy" not in ctx.options["outputs"]:  # the empty placeholder output: a compiled backward may
+        grad_ent = None                          # pass it a materialised (0,) gradient
     nothing = (None,) * (5 + len(_OPTION_NAMES) + 3)
     if grad_lp is None and grad_ent is None:
         return nothing
     hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_ = ctx.saved_tensors
     o = ctx.options
     if ctx.chunked:
-        if ctx.spent:
-            raise RuntimeError("fused_linear_logprobs: the chunked path's backward turns the forward's buffer into the "
-                               "gradient, so it runs once per forward; use strategy='recompute' to backward twice")
-        ctx.spent = True
+        # The backward turns the saved exponentials into the gradient in place (the op declares the
+        # mutation): a second backward through the same graph is refused by autograd's version check.
         dx, dw, db = token_backward_chunked(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, exps,
                                             tile_max, scalars_, o["ignore_index"], o["has_softcap"], o["group_id"],
                                             *ctx.needs)

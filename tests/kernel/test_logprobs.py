@@ -236,7 +236,7 @@ def test_recompute_backwards_twice_and_chunked_refuses():
     assert torch.allclose(w.grad, 2 * once)
     lp = fused_linear_logprobs(hidden, w, targets, strategy="chunked")["log_probs"]
     lp.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation|once per forward"):  # spent buffer
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # the spent buffer
         lp.sum().backward()
 
 
