@@ -41,6 +41,23 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+class KernelSpy:
+    """Wraps a Triton kernel (``kernel[grid](...)``) and records each launch's keyword arguments;
+    tests monkeypatch it in place of the module's kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        launcher = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append(kwargs)
+            return launcher(*args, **kwargs)
+
+        return run
+
+
 # --- GPU test tier and shards (docs/testing.md) ------------------------------------------------------
 #
 # The whole suite takes over 30 minutes on one H200 run serially, and one device command may run 10.

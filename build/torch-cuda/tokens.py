@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, configs, device, losses, parallel, plan, products, recompute, sweep
+from . import chunked, configs, device, losses, ops, parallel, plan, products, recompute, sweep
 from .validate import Options
 
 NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
@@ -43,11 +43,7 @@ def scalars(opts: Options) -> torch.Tensor:
     """The float options as one CPU float64 tensor (3,): logit_scale, softcap (NaN for none),
     temperature (see ``ops.scalars``: a tensor argument keeps ``torch.compile`` from specialising)."""
     cap = opts.softcap if opts.softcap is not None else math.nan
-    values = (opts.logit_scale, cap, opts.temperature)
-    if not torch.compiler.is_compiling():
-        return torch.tensor(values, dtype=torch.float64)
-    one = torch.ones((), dtype=torch.float64)
-    return torch.stack([one * x for x in values])
+    return ops.float_tensor((opts.logit_scale, cap, opts.temperature))
 
 
 def _names(wanted) -> tuple:
@@ -167,10 +163,10 @@ def coefficients(grad_lp, grad_ent, row, entropy, targets, opts: Options, v_tota
     if grad_ent is not None:
         parts += [torch.where(counted, grad_ent.to(torch.float32), zero), (row[0] + row[1]) - entropy]
     coef = torch.stack(parts)
-    size = b.abs()
-    largest = torch.where(torch.isfinite(size), size, zero).amax() if n > 0 else torch.ones((), device=a.device)
-    s = torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
-    return torch.cat([coef[:4] / s, coef[4:]]), s
+    if n == 0:
+        return coef, torch.ones((), device=coef.device)
+    scaled, s = losses.normalize(coef[:4], None)  # S (row 4) is a logit, not a coefficient
+    return torch.cat([scaled, coef[4:]]), s
 
 
 @torch.library.custom_op(f"{NAMESPACE}::token_backward", mutates_args=())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cases import Case, make_inputs
-from conftest import DEVICE
+from conftest import DEVICE, KernelSpy
 from fused_linear_ce import chunked, fused_linear_cross_entropy, products, recompute, sweep
 
 LEAVES = ("hidden", "weight", "bias")
@@ -48,29 +48,13 @@ def test_second_backward_accumulates_into_existing_grad(case):
         assert t.grad.dtype == case.dtype and torch.equal(t.grad, expected), k
 
 
-class _KernelSpy:
-    """Wraps a Triton kernel (``kernel[grid](...)``) and records each launch's keyword arguments."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        launcher = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches.append(kwargs)
-            return launcher(*args, **kwargs)
-
-        return run
-
-
 @pytest.fixture
 def spies(monkeypatch):
     """Records which gradient product runs ("dx": da @ weight, "dw": da^T @ hidden) and each launch
     of the kernels that form da (the recompute path's dlogits, the chunked path's in-place one)
     with its BIAS_GRAD flag."""
-    dlogits = _KernelSpy(recompute.dlogits_kernel)
-    in_place = _KernelSpy(chunked.softmax_gradient_kernel)
+    dlogits = KernelSpy(recompute.dlogits_kernel)
+    in_place = KernelSpy(chunked.softmax_gradient_kernel)
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", in_place)
 
     def spy(name):  # every product entry point records its second operand's storage

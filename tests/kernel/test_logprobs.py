@@ -9,7 +9,7 @@ cases compute what the GPU computes.
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, rel_err
+from conftest import DEVICE, ON_GPU, KernelSpy, rel_err
 from fused_linear_ce import chunked, fused_linear_logprobs, recompute, sweep, tokens
 
 FIELDS = tokens.FIELDS
@@ -160,24 +160,10 @@ def test_leading_dims_and_shift_equal_the_flat_call():
         assert torch.equal(out[name].reshape(-1), flat[name]), name
 
 
-class _Spy:
-    """Records the keyword arguments of every launch of a Triton kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 @pytest.fixture
 def spies(monkeypatch):
-    found = {"dlogits": _Spy(recompute.dlogits_kernel), "in_place": _Spy(chunked.softmax_gradient_kernel),
-             "sweep": _Spy(sweep.lse_sweep_kernel)}
+    found = {"dlogits": KernelSpy(recompute.dlogits_kernel), "in_place": KernelSpy(chunked.softmax_gradient_kernel),
+             "sweep": KernelSpy(sweep.lse_sweep_kernel)}
     monkeypatch.setattr(recompute, "dlogits_kernel", found["dlogits"])
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", found["in_place"])
     monkeypatch.setattr(sweep, "lse_sweep_kernel", found["sweep"])

@@ -25,7 +25,11 @@ def scalars(opts: Options) -> torch.Tensor:
     its value (a recompile per temperature of a schedule); a tensor argument does not, and its
     values are read inside the op on the host (a CPU tensor: no device sync)."""
     cap = opts.softcap if opts.softcap is not None else math.nan
-    values = (opts.logit_scale, cap, opts.label_smoothing, opts.z_loss)
+    return float_tensor((opts.logit_scale, cap, opts.label_smoothing, opts.z_loss))
+
+
+def float_tensor(values) -> torch.Tensor:
+    """Floats as one CPU float64 tensor, traceable: under ``torch.compile`` they may be symbolic."""
     if not torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.float64)
     # Traced: arithmetic on the (possibly symbolic) floats keeps them graph inputs.
