@@ -5,13 +5,15 @@ import torch
 from dataclasses import replace
 
 from . import ops
-from .validate import Options, check_flag, check_inputs, check_process_group
+from .validate import Options, check_flag, check_inputs, check_process_group, is_master_weight
 
 
-def _autocast(hidden, weight, bias):
+def _autocast(hidden, weight, bias, keep_fp32_weight=False):
     """Under torch.autocast, the operands go in the autocast dtype as F.linear's would (fp32
     accumulation either way); the casts are differentiable, so gradients reach the parameters in
-    their own dtype."""
+    their own dtype. ``keep_fp32_weight`` (the loss): an fp32 weight stays fp32 when the autocast
+    dtype is 16-bit; the op casts it for its products itself and sums its gradient in fp32 straight
+    into the fp32 result (``validate.is_master_weight``), with no 16-bit gradient to cast back."""
     if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(hidden.device.type)
@@ -20,7 +22,8 @@ def _autocast(hidden, weight, bias):
         ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
         return t.to(dtype) if ok else t
 
-    return cast(hidden), cast(weight), cast(bias)
+    keep = keep_fp32_weight and isinstance(weight, torch.Tensor) and is_master_weight(dtype, weight.dtype)
+    return cast(hidden), weight if keep else cast(weight), cast(bias)
 
 
 def _shift(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -58,7 +61,9 @@ def fused_linear_cross_entropy(
         hidden: (N, H) or (..., H) float32, bfloat16 or float16; any strides (2-D inputs are
             never copied; others are reshaped, which copies only when they are not contiguous).
         weight: (V, H), same dtype as ``hidden`` (under ``torch.autocast`` both are cast to the
-            autocast dtype, as ``F.linear`` does).
+            autocast dtype, as ``F.linear`` does; an fp32 weight under a 16-bit autocast is cast
+            inside the op instead, and its fp32 gradient is summed in fp32 without a 16-bit copy:
+            on the chunked path, which "auto" then takes at any N, straight into the result).
         targets: (N,) or hidden's leading shape (...), int64 (int32 accepted), class ids in
             [0, V) or ``ignore_index``.
         bias: optional (V,), same dtype.
@@ -137,9 +142,10 @@ def fused_linear_cross_entropy(
         chunk_bytes=chunk_bytes,
         strategy=strategy,
     )
-    hidden, weight, bias = _autocast(hidden, weight, bias)
+    hidden, weight, bias = _autocast(hidden, weight, bias, keep_fp32_weight=True)
     check_flag("shift", shift)
-    check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch)
+    check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch,
+                 master_weight=isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type))
     if process_group is not None:
         check_process_group(process_group)
     lead = targets.shape

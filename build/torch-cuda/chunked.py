@@ -42,15 +42,19 @@ from .sweep import RowStats
 from .validate import Options, chunked_unsupported
 
 
-def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs) -> bool:
+def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs, master: bool = False) -> bool:
     """Whether this call takes the chunked path: only when a gradient is wanted; always with
     strategy="chunked" (validated), never with "recompute"; with "auto" when the options allow it
-    and the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk, no fp32 accumulator)."""
+    and either the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk, no fp32 accumulator) or
+    the weight is an fp32 master weight (``master``: its fp32 gradient is the accumulator, so any
+    number of chunks costs only the chunk's buffer)."""
     if not any(needs) or opts.strategy == "recompute":
         return False
     if opts.strategy == "chunked":
         return True
-    return chunked_unsupported(opts) is None and n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes)
+    if chunked_unsupported(opts) is not None:
+        return False
+    return master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,24 +62,34 @@ def unit_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
+def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the chunked path's weight gradient: fp32 for an fp32 master weight
+    (``validate.is_master_weight``), else ``unit_dtype``."""
+    return torch.float32 if weight_dtype == torch.float32 else unit_dtype(hidden_dtype)
+
+
 def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx, need_dw, need_db,
-            shard=None, divisor=None, cfg=None):
+            shard=None, divisor=None, cfg=None, dw_dtype=None):
     """Returns (RowStats of all rows, grad_hidden, grad_weight, grad_bias) with the gradients for an
     upstream gradient of 1 (of the loss over ``divisor`` when given), None where not needed, in
     ``unit_dtype(hidden.dtype)`` (the bias's in fp32). ``cfg``: the sweep's and the gradient
-    kernel's tiles, else the table's or, with autotuning on, the fastest for this shape."""
+    kernel's tiles, else the table's or, with autotuning on, the fastest for this shape.
+    ``dw_dtype`` float32 (an fp32 master weight, ``weight`` its 16-bit copy): grad_weight is fp32,
+    and every chunk's product adds to it directly, with no other V x H buffer."""
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, where = hidden.dtype, hidden.device
     if n == 0:
         stats = sweep.sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
         out = dict(dtype=unit_dtype(dtype), device=where)
-        zeros = (torch.zeros((0, h), **out) if need_dx else None, torch.zeros((v, h), **out) if need_dw else None,
+        dw_zeros = torch.zeros((v, h), dtype=dw_dtype or out["dtype"], device=where) if need_dw else None
+        zeros = (torch.zeros((0, h), **out) if need_dx else None, dw_zeros,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
         return (stats, *zeros)
     if cfg is None:
         cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
-            hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c),
+            hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c,
+            dw_dtype=dw_dtype),
             opts.chunk_bytes, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
     rows = plan.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
@@ -93,7 +107,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if need_dx and shard is not None and out_dtype != torch.float32:
         dx_acc = device.new((n, h), torch.float32, where)  # summed over ranks in fp32
     grad_weight = dw_acc = None
-    if need_dw:
+    if need_dw and dw_dtype == torch.float32:  # an fp32 master weight: its gradient is the accumulator
+        grad_weight = dw_acc = device.new((v, h), torch.float32, where)
+    elif need_dw:
         grad_weight = device.new((v, h), out_dtype, where)
         dw_acc = device.new((v, h), torch.float32, where) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None

@@ -63,7 +63,14 @@ def _forward_call(scalars_: Optional[torch.Tensor], hidden, weight, options: tup
     opts = _options(scalars_, o["ignore_index"], o["has_softcap"], o["reduction"], o["return_metrics"], o["smoothing"],
                     o["return_lse"], o["chunk_bytes"], o["strategy"])
     needs = (o["need_dx"], o["need_dw"], o["need_db"])
-    return opts, o, needs, chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs)
+    master = weight.dtype != hidden.dtype
+    return opts, o, needs, chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.dtype, needs, master)
+
+
+def _low(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The weight in hidden's dtype: an fp32 master weight (``validate.is_master_weight``) cast for
+    the products, once per op (``torch.autocast`` would keep the same copy), else itself."""
+    return weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
@@ -80,6 +87,7 @@ def forward(
     the loss is the sum over it (``num_items_in_batch``), inside the op so that the chunked path
     applies it with the rest of the common factor to its products (``products.product``).
     ``group_id`` names a vocabulary-parallel process group (parallel.register), 0 for none.
+    An fp32 ``weight`` with 16-bit ``hidden`` is a master weight: cast here, its gradient fp32.
     ``scalars``: the float options (``scalars``); ``has_softcap`` and ``smoothing`` say whether a
     softcap and label smoothing are on, which the fake implementation needs to pick the path."""
     opts, _, needs, takes_chunked = _forward_call(scalars, hidden, weight, (
@@ -88,10 +96,13 @@ def forward(
     shard = parallel.shard_for(group_id, weight.shape[0])
     sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
     grads = [None] * 3
+    low = _low(weight, hidden)
     if takes_chunked:
-        stats, *grads = chunked.forward(hidden, weight, targets, bias, class_weight, opts, *needs, shard, divisor)
+        stats, *grads = chunked.forward(hidden, low, targets, bias, class_weight, opts, *needs, shard, divisor,
+                                        dw_dtype=weight.dtype)
     else:
-        stats = sweep.forward(hidden, weight, targets, bias, class_weight, opts, shard)
+        stats = sweep.forward(hidden, low, targets, bias, class_weight, opts, shard)
+    del low
     grads = [g if g is not None else hidden.new_empty((0,)) for g in grads]  # distinct outputs
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     loss = losses.reduce(losses.row_terms(stats, weights, opts), opts)
@@ -115,7 +126,8 @@ def _(hidden, weight, bias, targets, class_weight, divisor, scalars_, ignore_ind
     unit = chunked.unit_dtype(hidden.dtype)
     grads = (
         hidden.new_empty(hidden.shape, dtype=unit) if use and need_dx else hidden.new_empty((0,)),
-        weight.new_empty(weight.shape, dtype=unit) if use and need_dw else hidden.new_empty((0,)),
+        weight.new_empty(weight.shape, dtype=chunked.weight_grad_dtype(hidden.dtype, weight.dtype))
+        if use and need_dw else hidden.new_empty((0,)),
         weight.new_empty((weight.shape[0],), dtype=torch.float32) if use and need_db else hidden.new_empty((0,)),
     )
     return (loss, sums, hidden.new_empty((n,), dtype=torch.float32),
@@ -129,14 +141,17 @@ def backward(
     lse2: torch.Tensor, scalars: torch.Tensor, ignore_index: int, has_softcap: bool, reduction: str,
     chunk_bytes: Optional[int], group_id: int, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed."""
+    """(grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed; an fp32 master
+    ``weight`` is cast for the products again, and its gradient comes back in fp32."""
     opts = _options(scalars, ignore_index, has_softcap, reduction, False, False, grad_lse is not None, chunk_bytes)
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
-    grads = recompute.backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts, need_dx, need_dw, need_db,
-                            shard, common)
-    return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
+    dx, dw, db = recompute.backward(hidden, _low(weight, hidden), targets, bias, class_weight, lse2, coef, opts,
+                                    need_dx, need_dw, need_db, shard, common)
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dx, dw, db))
 
 
 @backward.register_fake
@@ -163,6 +178,7 @@ def _setup_context(ctx, inputs, output):
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
+        ctx.master = weight.dtype != hidden.dtype
     else:
         ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor, scalars_)
 
@@ -189,6 +205,18 @@ def _(grad_hidden, grad_weight, grad_bias, grad_loss, hidden_dtype, weight_dtype
             grad_bias.new_empty(grad_bias.shape, dtype=bias_dtype))
 
 
+@torch.library.custom_op(f"{NAMESPACE}::scale_in_place", mutates_args=("grad",))
+def scale_in_place(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """grad *= the upstream gradient, in place (fp32 arithmetic, ``products.scale``): the chunked
+    path's fp32 master-weight gradient, which is already in the leaf's dtype."""
+    products.scale(grad, grad_loss.to(torch.float32), out=grad)
+
+
+@scale_in_place.register_fake
+def _(grad, grad_loss):
+    return None
+
+
 def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
     need_dx, need_dw, need_db = ctx.needs
     o = ctx.options
@@ -198,7 +226,15 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
         if missing:
             raise RuntimeError(f"fused_linear_cross_entropy: {missing} did not require grad when the loss was "
                                "computed, so the chunked path computed no gradient for them")
-        dx, dw, db = scale_gradients(*ctx.saved_tensors, grad_loss, *ctx.dtypes)
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        if ctx.master and need_dw:
+            # The fp32 master gradient is scaled where it is (no second V x H fp32 tensor) and
+            # becomes the weight's gradient; a second backward then fails autograd's version check.
+            scale_in_place(grad_weight, grad_loss)
+            dx, _, db = scale_gradients(grad_hidden, grad_weight.new_empty((0,)), grad_bias, grad_loss, *ctx.dtypes)
+            dw = grad_weight
+        else:
+            dx, dw, db = scale_gradients(grad_hidden, grad_weight, grad_bias, grad_loss, *ctx.dtypes)
     else:
         hidden, weight, bias, targets, class_weight, lse2, divisor, scalars_ = ctx.saved_tensors
         if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient

@@ -108,8 +108,17 @@ def _dtensor_error(name: str, t) -> None:
         )
 
 
-def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None, num_items_in_batch=None) -> None:
-    """Raises TypeError / ValueError with a readable message for any input the kernels cannot take."""
+def is_master_weight(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """An fp32 weight with 16-bit hidden states: the op casts it to hidden's dtype for the products
+    and returns its gradient in fp32 (``torch.autocast`` over an fp32 lm-head)."""
+    return weight_dtype == torch.float32 and hidden_dtype in (torch.bfloat16, torch.float16)
+
+
+def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None, num_items_in_batch=None,
+                 master_weight=False) -> None:
+    """Raises TypeError / ValueError with a readable message for any input the kernels cannot take.
+    ``master_weight``: an fp32 weight is accepted with 16-bit hidden states (under ``torch.autocast``,
+    where the op casts it itself and returns its gradient in fp32)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -138,7 +147,7 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
         raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
     if hidden.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"hidden dtype {hidden.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    if weight.dtype != hidden.dtype:
+    if weight.dtype != hidden.dtype and not (master_weight and is_master_weight(hidden.dtype, weight.dtype)):
         raise TypeError(f"dtype mismatch: hidden is {hidden.dtype}, weight is {weight.dtype}")
     if bias is not None:
         if bias.shape != (v,):

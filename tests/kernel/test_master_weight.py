@@ -1,0 +1,180 @@
+"""fp32 master weights under ``torch.autocast``: an fp32 lm-head weight with 16-bit activations (a
+``Trainer`` with ``bf16=True`` on an fp32 model) is cast inside the op, and its gradient is summed in
+fp32 straight into the fp32 result: no 16-bit weight gradient, no V x H accumulator beside it, and
+"auto" takes the three-product chunked path at any N.
+
+Checked against float64 of the same rounded operands: the loss and the hidden gradient are those of
+casting the weight first (bit for bit: the same products in the same order); the weight gradient is
+at least as exact as the cast path's, and on the chunked path strictly more (one rounding of da, none
+of the sum). bf16 on CPU runs through the kernels' BF16_EMULATION switch (operands upcast to fp32
+before ``tl.dot``, exact; fp32 -> bf16 rounding to nearest even on the bits): see
+``tests/kernel/test_bf16_emulation.py`` for why that cover is faithful. fp16 needs none.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, ON_GPU, rel_err
+from fused_linear_ce import chunked, configs, fused_linear_cross_entropy
+
+MiB = 1 << 20
+N, H, V = 200, 48, 320
+
+
+def _problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(DEVICE)
+    weight = (0.3 * torch.randn(V, H, generator=g)).to(DEVICE)
+    targets = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    targets[::7] = -100
+    return hidden, weight, targets
+
+
+def _reference(hidden, weight, targets, dtype, upstream):
+    """float64 loss and gradients of the operands rounded to ``dtype`` (what the products see)."""
+    h = hidden.to(dtype).double().requires_grad_(True)
+    w = weight.to(dtype).double().requires_grad_(True)
+    loss = F.cross_entropy(h @ w.T, targets)
+    (loss * upstream).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _run(hidden, weight, targets, dtype, upstream, cast_first, **kwargs):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        loss = fused_linear_cross_entropy(h, w.to(dtype) if cast_first else w, targets, **kwargs)
+    (loss * upstream).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+# chunk_bytes of 64 rows: several chunks on the chunked path, several blocks on the recompute path.
+SETTINGS = {"one": None, "chunks": 64 * V * 2}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("strategy", ["auto", "chunked", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp32_weight_gradient_is_fp32_and_at_least_as_exact_as_casting_first(dtype, strategy, setting):
+    hidden, weight, targets = _problem()
+    upstream = 3.0  # not a power of two: the backward's scaling is a real multiplication
+    kwargs = dict(strategy=strategy, chunk_bytes=SETTINGS[setting])
+    loss, dx, dw = _run(hidden, weight, targets, dtype, upstream, cast_first=False, **kwargs)
+    loss_c, dx_c, dw_c = _run(hidden, weight, targets, dtype, upstream, cast_first=True, **kwargs)
+    ref_loss, ref_dx, ref_dw = _reference(hidden, weight, targets, dtype, upstream)
+
+    assert dw.dtype == torch.float32 and dx.dtype == torch.float32
+    assert torch.equal(loss, loss_c)
+    if not (strategy == "auto" and setting == "chunks"):  # there the cast-first call takes the recompute path
+        assert torch.equal(dx, dx_c)
+    assert abs(loss.double() - ref_loss).item() < 1e-5
+    err, err_cast = rel_err(dw, ref_dw), rel_err(dw_c, ref_dw)
+    if strategy == "recompute":  # a 16-bit gradient, then cast: the same bits as casting first
+        assert torch.equal(dw, dw_c)
+    else:  # da rounded once, the products summed in fp32 and never rounded to 16 bits
+        assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
+    assert rel_err(dx, ref_dx) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+def test_auto_takes_the_chunked_path_for_a_master_weight_at_any_n(monkeypatch):
+    """With a 64-row chunk the whole (N, V) gradient does not fit, so a 16-bit weight goes to the
+    recompute path; an fp32 master weight costs the chunked path no V x H accumulator and goes there."""
+    hidden, weight, targets = _problem()
+    budget = SETTINGS["chunks"]
+    calls = []
+    original = chunked.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("dw_dtype"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "forward", spy)
+    cfg = configs.sweep_config(torch.bfloat16, chunked=True)
+    assert configs.chunk_rows(N, V, torch.bfloat16, budget, cfg.block_n) < N  # several chunks
+    _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=True, chunk_bytes=budget)
+    assert calls == []
+    _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=False, chunk_bytes=budget)
+    assert calls == [torch.float32]
+
+
+def test_master_gradient_accumulates_into_grad_and_refuses_a_second_backward():
+    """Two micro-batches accumulate into ``.grad`` (the first gradient is stolen, the second added);
+    the fp32 gradient was scaled in place, so a second backward through the same graph raises
+    instead of scaling it twice."""
+    hidden, weight, targets = _problem()
+    batches = [_problem(seed)[0] for seed in (1, 2)]
+    alone = [_run(h, weight, targets, torch.bfloat16, 1.0, cast_first=False)[2] for h in batches]
+    w = weight.clone().requires_grad_(True)
+    for h in batches:
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            fused_linear_cross_entropy(h, w, targets).backward()
+        if h is batches[0]:
+            first = w.grad
+            assert torch.equal(first, alone[0])
+    assert w.grad is first  # accumulated into, not replaced
+    assert torch.equal(w.grad, alone[0] + alone[1])
+    w2 = weight.clone().requires_grad_(True)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, w2, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_compiles_without_a_graph_break_under_autocast():
+    hidden, weight, targets = _problem()
+
+    def step(h, w):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            return fused_linear_cross_entropy(h, w, targets, chunk_bytes=SETTINGS["chunks"])
+
+    compiled = torch.compile(step, fullgraph=True)
+    got, want = [], []
+    for fn, out in ((compiled, got), (step, want)):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = fn(h, w)
+        loss.backward()
+        out.extend([loss.detach(), h.grad, w.grad])
+    assert got[2].dtype == torch.float32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU memory")
+def test_extra_memory_is_the_chunk_not_a_16bit_gradient_or_an_accumulator():
+    """N = 8192, H = 2048, V = 32000, fp32 weight under bf16 autocast, several 32 MiB chunks: the peak
+    above the inputs, the fp32 gradients and autocast's bf16 weight copy is the chunk's buffer and
+    O(N) vectors; casting first costs a bf16 weight gradient and an fp32 V x H accumulator more."""
+    n, h, v = 8192, 2048, 32000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g)
+    weight = 0.02 * torch.randn(v, h, device="cuda", generator=g)
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    budget = 32 * MiB
+
+    def extra(cast_first):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fused_linear_cross_entropy(hh, ww.to(torch.bfloat16) if cast_first else ww, targets,
+                                                  chunk_bytes=budget, strategy="chunked")
+            loss.backward()
+            hh.grad = ww.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fused_linear_cross_entropy(hh, ww.to(torch.bfloat16) if cast_first else ww, targets,
+                                              chunk_bytes=budget, strategy="chunked")
+        loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        outputs = hh.grad.nbytes + ww.grad.nbytes + v * h * 2  # fp32 gradients, autocast's bf16 copy
+        return (peak - outputs) / MiB
+
+    master, cast = extra(False), extra(True)
+    # The chunk (32 MiB), its per-tile statistics, the bf16 hidden copy (32 MiB) and its bf16
+    # gradient (32 MiB), O(N) vectors, allocator rounding.
+    assert master <= 160, f"{master:.0f} MiB"
+    assert cast >= master + (v * h * 6) / MiB * 0.9, f"cast first {cast:.0f} MiB, master {master:.0f} MiB"
