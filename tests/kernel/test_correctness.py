@@ -59,12 +59,22 @@ for dtype in (torch.float16, torch.bfloat16):
         Case(160, 96, 1000, dtype, "mean", bias=True, ignored=0.2, chunk_bytes=160 * 256 * dtype.itemsize),
         Case(300, 40, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=300 * 256 * dtype.itemsize),
     ]
+# bf16 without a bias gradient, V < 2N and no fp32 accumulator in half the budget: one pass of two
+# vocabulary blocks (256 + 244 columns) with grad_hidden summed as a bf16 + int8 pair (the long-context
+# default, BackwardPlan.paired); per-row upstream gradients, and only grad_hidden.
+CASES += [
+    Case(300, 96, 500, torch.bfloat16, "mean", ignored=0.2, chunk_bytes=200000),
+    Case(300, 96, 500, torch.bfloat16, "none", logit_scale=1.5, softcap=4.0, ignored=0.2, chunk_bytes=200000),
+    Case(300, 96, 500, torch.bfloat16, "sum", grad=("hidden",), chunk_bytes=200000),
+]
 if ON_GPU:  # sizes that fill the GPU's tiles several times over; too slow for the interpreter
     for dtype in DTYPES:
         CASES += [
             Case(1000, 512, 50257, dtype, "mean", ignored=0.2, bias=True),
             Case(4096, 1024, 32001, dtype, "none", softcap=30.0, chunk_bytes=64 << 20),
         ]
+    # The paired plan at GPU tiles: 21 vocabulary blocks of 1536 columns (V < 2N, 64 MiB).
+    CASES.append(Case(16384, 1024, 32000, torch.bfloat16, "mean", ignored=0.2, chunk_bytes=64 << 20))
 
 
 # Both gradient paths: "auto" takes the chunked one (gradients in the forward) for "mean"/"sum"

@@ -39,6 +39,7 @@ def test_fp32_inputs_need_no_accumulator():
 
 
 def _passes(n, h, v, budget, needs=(True, True), dtype=torch.bfloat16, block_n=128, block_v=256):
+    """The plans of a call with a bias gradient or a vocabulary shard (no paired plan)."""
     return configs.plan_passes(n, v, h, dtype, budget, block_n, block_v, *needs)
 
 
@@ -114,3 +115,38 @@ def test_the_rare_row_settings_take_the_plans_they_name():
     assert borrowed.borrowed
     (token,) = _passes(n, h, v, 1 << 20)
     assert token.dw_accumulator and token.cols == v
+
+
+def test_long_context_default_pairs_grad_hidden_in_one_pass_of_four_products():
+    """S4 (65536 x 4096 x 128256, bf16, no bias gradient, no shard): no fp32 accumulator fits and V < 2N,
+    so one pass of vocabulary blocks sums grad_hidden as a bf16 + int8 pair: its N x H bytes (256 MiB)
+    and the da blocks within DEFAULT_PAIRED_BYTES, and no logit is recomputed twice."""
+    n, h, v = 65536, 4096, 128256
+    (plan,) = configs.plan_passes(n, v, h, torch.bfloat16, None, 128, 256, True, True, may_pair=True)
+    assert plan.paired and plan.dx_accumulator and not plan.dw_accumulator and not plan.borrowed
+    assert (plan.rows, plan.rows_grads, plan.weight_grad) == (n, True, True)
+    assert plan.extra_bytes(n, v, h, 2) == n * plan.cols * 2 + n * h <= configs.DEFAULT_PAIRED_BYTES
+    assert plan.cols == (configs.DEFAULT_PAIRED_BYTES - n * h) // (2 * n) // 256 * 256 == 2048
+    # An explicit budget holds the remainder too: 384 MiB leaves 128 MiB of blocks; 256 MiB none.
+    (at_384,) = configs.plan_passes(n, v, h, torch.bfloat16, 384 << 20, 128, 256, True, True, may_pair=True)
+    assert at_384.paired and at_384.extra_bytes(n, v, h, 2) <= 384 << 20
+    assert len(configs.plan_passes(n, v, h, torch.bfloat16, 256 << 20, 128, 256, True, True, may_pair=True)) == 2
+
+
+@pytest.mark.parametrize("n", [65536, 98304, 131072, 262144])
+def test_paired_default_stays_flat_and_falls_back_to_two_passes(n):
+    """The remainder grows with N: past DEFAULT_PAIRED_BYTES the default takes two passes, so the
+    extra memory never passes it at any N."""
+    h, v = 4096, 128256
+    passes = configs.plan_passes(n, v, h, torch.bfloat16, None, 128, 256, True, True, may_pair=True)
+    assert max(p.extra_bytes(n, v, h, 2) for p in passes) <= configs.DEFAULT_PAIRED_BYTES
+    assert (len(passes) == 1 and passes[0].paired) == (n * h + 256 * n * 2 <= configs.DEFAULT_PAIRED_BYTES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_only_bf16_pairs_and_only_when_allowed(dtype):
+    """fp16 keeps its plans (its gradients are lifted out of the subnormals, a range the int8
+    remainder was not built for); a bias gradient or a vocabulary shard (``may_pair=False``) too."""
+    n, h, v = 65536, 4096, 128256
+    assert not any(p.paired for p in configs.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True))
+    assert not any(p.paired for p in _passes(n, h, v, None))
