@@ -43,7 +43,7 @@ class Case:
     descriptors: dict  # argument name -> block shape
     num_warps: int
     num_stages: int
-    c_dtype: str = "*bf16"  # matmul_kernel's c_ptr
+    c_dtype: str = "*bf16"  # matmul_kernel's c_ptr (its lo_ptr, used when COMPENSATED, is bf16)
 
 
 def cases() -> list[Case]:
@@ -64,7 +64,7 @@ def cases() -> list[Case]:
                        e_desc=(chunked.block_n, chunked.block_v))
     matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
                   GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
-                  INPUT_PRECISION="tf32", TMA=True, B_T=False)
+                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=False)
     return [
         Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
         Case("sweep, ragged V", "lse_sweep_kernel", "sweep", dict(forward, EVEN_V=False), descs,
@@ -90,6 +90,13 @@ def cases() -> list[Case]:
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
         Case("matmul", "matmul_kernel", "products", dict(matmul, A_T=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
+        Case("matmul, da^T, compensated", "matmul_kernel", "products",
+             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
+             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
+                  lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages),
+        Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
+             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True),
+             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
     ]
 
 
@@ -158,9 +165,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'kernel (sm_90)':28s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}")
+        width = max(len(r["name"]) for r in rows)
+        print(f"{'kernel (sm_90)':{width}s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}")
         for r in rows:
-            print(f"{r['name']:28s} {r['registers']:9d} {r['stack']:8d} {r['shared'] / 1024:9.1f}")
+            print(f"{r['name']:{width}s} {r['registers']:9d} {r['stack']:8d} {r['shared'] / 1024:9.1f}")
     return 0
 
 

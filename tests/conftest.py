@@ -80,6 +80,7 @@ GPU_SECONDS = {
     "test_bench_logprobs.py": 60,  # bench_logprobs.py in process: our kernels' and TRL's first compiles
     "test_bf16_emulation.py": 2,
     "test_borrowed_accumulator.py": 15,
+    "test_compensated.py": 10,  # 16 small matmul tests (a few compiles each)
     "test_correctness.py": 340,  # 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
     "test_determinism.py": 20,
     "test_examples.py": 120,  # trains the Llama example twice in a subprocess
@@ -124,12 +125,13 @@ GPU_STARTUP_S = 30  # interpreter, torch/CUDA/Triton import and collection, per 
 
 # The tier, by file: True = every test of the file; a tuple = tests whose name (with parameters)
 # contains one of the strings. Paths: recompute (sweep + backward plans) and chunked, per dtype; the
-# products (TMA, pointer, cuBLAS); realistic sizes (Llama-3 bf16 all plans, sizes past int32, the
+# products (TMA, pointer, cuBLAS; the compensated pair through descriptors); realistic sizes (Llama-3 bf16 all plans, sizes past int32, the
 # fp32/fp16/bf16 GPU-size correctness cases); memory bounds; ignored row blocks; loss variants;
 # autotuning; CUDA graphs; loading through kernels.
 GPU_TIER = {
     "test_gpu_scale.py": True,
     "test_products.py": True,
+    "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-view-bf16]",),
     "test_plan.py": True,
     "test_correctness.py": ("-recompute]", "-chunked]", "[N1000H512V50257-", "[N4096H1024V32001-"),
     "test_scale.py": ("test_hidden_and_plane_past_int32_elements", "chunk1048576]", "test_misaligned_pointers_give_the_aligned_result[bf16]"),

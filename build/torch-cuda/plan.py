@@ -13,6 +13,9 @@ from . import device as _device
 
 # Default budget for the backward's da chunk (bytes): the memory knob's default setting.
 DEFAULT_CHUNK_BYTES = 256 << 20
+# The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
+# fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
+DEFAULT_PAIRED_BYTES = 512 << 20
 # The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
 # this share (``vocab_splits``).
 _WAVE_EFFICIENCY = 0.95
@@ -79,11 +82,15 @@ class BackwardPlan:
     # The (N, H) fp32 accumulator lives in the last bytes of grad_weight's own memory (not extra):
     # the vocabulary blocks that overlap it get their grad_weight after grad_hidden is final.
     borrowed: bool = False
+    # grad_hidden is summed over the vocabulary blocks as a pair: itself (bf16) and an int8 (N, H)
+    # remainder (``products.matmul``'s pair epilogue), N x H bytes instead of an fp32 N x H.
+    paired: bool = False
 
     def extra_bytes(self, n: int, v: int, h: int, itemsize: int) -> int:
-        """The da block, the fp32 accumulators, and a rows-only pass's fp32 (rows, H) product."""
-        return self.rows * self.cols * itemsize + 4 * h * (
-            n * (self.dx_accumulator and not self.borrowed) + v * self.dw_accumulator
+        """The da block, the accumulators (fp32, or the pair's int8 remainder), and a rows-only
+        pass's fp32 (rows, H) product."""
+        return self.rows * self.cols * itemsize + n * h * self.paired + 4 * h * (
+            n * (self.dx_accumulator and not self.borrowed and not self.paired) + v * self.dw_accumulator
             + self.rows * (not self.weight_grad)
         )
 
@@ -118,7 +125,8 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
     return min((vocab, token), key=lambda p: p.extra_bytes(n, v, h, itemsize))
 
 
-def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw) -> tuple[BackwardPlan, ...]:
+def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw, *,
+                may_pair=False) -> tuple[BackwardPlan, ...]:
     """The recompute backward's passes, so that its extra memory (da blocks and fp32 accumulators)
     stays within ``chunk_bytes`` at any N. ``need_rows``: grad_hidden or grad_bias is wanted.
 
@@ -132,6 +140,11 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
       rows (``borrows_weight_grad``): the budget is all da block. The blocks over those rows but the
       last get their grad_weight after grad_hidden is final, from their logits recomputed once
       more: (2N - cols) / V of a product more.
+    - Else, when ``may_pair`` (bf16, no bias gradient, no vocabulary shard) and an int8 (N, H)
+      remainder leaves room for blocks of at least one tile: one pass of vocabulary blocks with
+      grad_hidden summed as a bf16 + int8 pair (``BackwardPlan.paired``), four products. Its budget
+      when ``chunk_bytes`` is None is DEFAULT_PAIRED_BYTES (the remainder is N x H bytes: 256 MiB at
+      N = 65536, H = 4096), else ``chunk_bytes``.
     - Otherwise two passes, each without an accumulator: token blocks for grad_hidden and
       grad_bias, then vocabulary blocks for grad_weight. The logits are recomputed once more
       (5 products instead of 4), and the memory stays flat in N.
@@ -158,6 +171,11 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
         return (BackwardPlan(_token_rows((budget - acc_w) // item, v, block_n), v, False, True),)
     if dw_pass is not None and borrows_weight_grad(n, v, dtype):
         return (BackwardPlan(n, all_cols, True, False, borrowed=True),)
+    if may_pair and dtype == torch.bfloat16:
+        paired_budget = DEFAULT_PAIRED_BYTES if chunk_bytes is None else budget
+        cols = _vocab_cols(max(0, paired_budget - n * h) // item, n, block_v)
+        if cols >= block_v:
+            return (BackwardPlan(n, cols, True, False, paired=True),)
     if dw_pass is not None:
         return (rows_pass, dw_pass)
     return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns

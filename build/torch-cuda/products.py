@@ -5,6 +5,10 @@ runs it, and a 16-bit result is rounded once.
   factor applied in its epilogue before the one rounding; TMA loads where the GPU and the layouts
   allow (cuBLAS's rate on the H200), else pointer loads. Every product into a 16-bit gradient runs
   here, except those with ``few_tiles``.
+- ``compensated``: (hi, lo) = split((a @ b) [* unscale] (+ hi + lo)): ``matmul`` summing into a
+  16-bit result ``hi`` and a bf16 remainder ``lo`` (``compensation_buffer``), the pair in place of an
+  fp32 accumulator across many products (a chunked grad_weight): hi + lo holds the running sum to
+  ~16-17 bits of mantissa (bf16 hi) or ~19-20 (fp16 hi), and ``hi`` ends as that sum rounded once.
 - ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``),
   whose split-K partial sums are fp32 whatever torch's reduced-precision-reduction flags say (they
   only allow reductions in a 16-bit output type).
@@ -24,6 +28,8 @@ around a call when threads share the process) need not change. Off the GPU the c
 products of the upcast operands (exact), summed in fp32: what the GPU computes, up to the order of
 the sums.
 """
+
+import os
 
 import torch
 import triton
@@ -71,10 +77,15 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     return 2 * tiles < device.sm_count(a.device)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None) -> None:
+def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None,
+           lo: torch.Tensor | None = None) -> None:
     """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
     strides; ``unscale`` an optional fp32 (1,) device tensor. The operands load through TMA
-    descriptors where the config, the GPU and both layouts allow it, else through pointers."""
+    descriptors where the config, the GPU and both layouts allow it, else through pointers.
+
+    With ``lo`` (a 16-bit buffer with c's shape and strides; ``compensated``): c and lo are a
+    compensated pair, s = (a @ b) * unscale (+ c + lo) split into c = s rounded and lo = the rest
+    rounded."""
     m, k = a.shape
     p = b.shape[1]
     if m == 0 or p == 0:
@@ -85,16 +96,68 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     a_t, b_t = layouts if tma else (False, False)
     a_desc = _descriptor(a, cfg.block_m, cfg.block_k, a_t) if tma else a
     b_desc = _descriptor(b, cfg.block_k, cfg.block_p, b_t) if tma else b
+    flags = device.dot_flags(a.dtype)
+    c_tma = False
+    if lo is not None:
+        # A bf16 result under the interpreter rounds through round_to's emulation (an fp16 hi's lo).
+        flags["BF16_EMULATION"] = any(device.bf16_emulation(t.dtype) for t in (a, c, lo))
+        # The pair through descriptors where the layouts allow: a 2-D tile of pointers spills.
+        c_tma = (cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
+                 and device.tma_layout(lo))
+    c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_p]) if c_tma else c
+    lo_desc = TensorDescriptor.from_tensor(lo, [cfg.block_m, cfg.block_p]) if c_tma else c
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
-        a, b, c, unscale if unscale is not None else c, a_desc, b_desc, m, p, k,
+        a, b, c, lo if lo is not None else c, unscale if unscale is not None else c, a_desc, b_desc,
+        c_desc, lo_desc, m, p, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
         BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
-        TMA=tma, A_T=a_t, B_T=b_t,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.dot_flags(a.dtype),
+        TMA=tma, A_T=a_t, B_T=b_t, COMPENSATED=lo is not None, C_TMA=c_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
+
+
+def compensation_buffer(hi: torch.Tensor) -> torch.Tensor:
+    """The ``lo`` half of a compensated pair for the 16-bit ``hi`` (``compensated``): bf16 whatever
+    hi's dtype, hi's shape and strides, uninitialised (NaN under FUSED_LINEAR_CE_POISON=1; the first
+    ``compensated`` call, ``accumulate=False``, writes every element).
+
+    bf16 and not hi's dtype for an fp16 hi: the remainder is at most half an ulp of hi, 2^-11 of
+    it, and fp16's range ends at 6e-5 (subnormals to 6e-8): an fp16 remainder of a gradient entry
+    under ~0.25 loses bits, and under 2^-13 is all lost, where a bf16 one keeps its 8 bits down to
+    1e-38."""
+    lo = torch.empty_like(hi, dtype=torch.bfloat16)
+    if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
+        lo.fill_(float("nan"))
+    return lo
+
+
+def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, accumulate: bool,
+                unscale=None) -> None:
+    """A compensated sum of products into a pair of 16-bit buffers, in place of an fp32 accumulator:
+    s = (a @ b) [* unscale] (+ hi + lo when ``accumulate``), in fp32 in ``matmul_kernel``'s epilogue
+    (the product summed in fp32, the factor applied first, then the old pair added, hi + lo first:
+    exact in fp32 but for a remainder under 2^-24 of hi), then split:
+    hi = s rounded to hi's dtype, lo = (s - hi) (exact in fp32) rounded to lo's dtype.
+
+    ``accumulate=False`` (the first product) writes both, whatever they held. hi: bf16 or fp16; lo:
+    ``compensation_buffer(hi)`` (bf16; an fp16 lo is taken but loses the remainder of small entries),
+    hi's shape and strides. Each call's sum is rounded to fp32 once before the split, and the split
+    loses at most half an ulp of lo: per call 2^-16 of the sum at worst (bf16 hi: lo's 8 bits
+    below hi's 8), 2^-19 for an fp16 hi (11 + 8; 2^-33 absolute under fp16's smallest normal),
+    against 2^-9 for a plain bf16 accumulator. The errors add up over the calls, relative to each
+    partial sum: a final sum much smaller than its partial sums (cancellation) is off by more.
+    After the last product ``hi`` is the running sum rounded once to its dtype (but for entries
+    within the pair's error of a tie) and ``lo`` can go. Overflow: a sum past hi's range leaves hi
+    inf and lo 0 (inf stays inf, as in a plain 16-bit sum); NaN stays NaN."""
+    if hi.dtype not in (torch.bfloat16, torch.float16) or lo.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"compensated: hi and lo must be bf16 or fp16, got {hi.dtype} and {lo.dtype}")
+    if lo.shape != hi.shape or lo.stride() != hi.stride():
+        raise ValueError(f"compensated: lo {tuple(lo.shape)} strides {lo.stride()} must match hi "
+                         f"{tuple(hi.shape)} strides {hi.stride()}")
+    matmul(a, b, hi, accumulate, unscale, lo=lo)
 
 
 def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:
@@ -176,10 +239,13 @@ def load_block(desc, row0, col0, TRANSPOSED: tl.constexpr):
 def matmul_kernel(
     a_ptr,  # (M, K) any strides
     b_ptr,  # (K, P) any strides
-    c_ptr,  # (M, P) out; fp32 when ACCUMULATE
+    c_ptr,  # (M, P) out; fp32 when ACCUMULATE (but COMPENSATED)
+    lo_ptr,  # COMPENSATED: (M, P) 16-bit, c's strides, the pair's remainder; else unused
     scale_ptr,  # (1,) fp32: multiplies A @ B when HAS_SCALE (undoes the fp16 da scaling)
     a_desc,  # TMA: tensor descriptor of A as stored (of A^T when A_T), else unused
     b_desc,  # TMA: tensor descriptor of B as stored (of B^T when B_T), else unused
+    c_desc,  # C_TMA: tensor descriptor of C, blocks (BLOCK_M, BLOCK_P); else unused
+    lo_desc,  # C_TMA: tensor descriptor of LO, likewise; else unused
     M,
     P,
     K,
@@ -203,6 +269,8 @@ def matmul_kernel(
     TMA: tl.constexpr = False,
     A_T: tl.constexpr = False,
     B_T: tl.constexpr = False,
+    COMPENSATED: tl.constexpr = False,
+    C_TMA: tl.constexpr = False,
 ):
     """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
 
@@ -214,6 +282,12 @@ def matmul_kernel(
     Else pointer loads, ragged edges masked, not clamped: clamping hides the contiguity of an
     operand whose M or P dimension is its contiguous one (da^T, weight), and the loads then lose
     their vector width.
+    COMPENSATED (``products.compensated``): C (16-bit) and LO a compensated pair: s = acc (+ C + LO
+    when ACCUMULATE, C + LO first: exact in fp32 but for a remainder under 2^-24 of C), then
+    C = round(s), LO = round(s - C) (s - C exact; 0 where C overflowed to inf). C_TMA (with
+    COMPENSATED only): C and LO read and written through tensor descriptors, blocks past the edges
+    read as 0 and not written; a 2-D tile of pointers spills (offline sm_90, accumulating: 3128
+    bytes of stack against 0, ``scripts/registers.py``).
     """
     pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -248,9 +322,35 @@ def matmul_kernel(
     mask = mask_m[:, None] & mask_p[None, :]
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr)
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=mask, other=0.0)
-    tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
+    if COMPENSATED:
+        # s = (hi + lo) + acc: the old pair's sum is exact in fp32 (but for a remainder under 2^-24
+        # of hi), so s is the pair's value plus acc rounded once.
+        offs_c = offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp  # one offset tile for both
+        row0 = pid_m * BLOCK_M
+        col0 = pid_p * BLOCK_P
+        if ACCUMULATE:
+            if C_TMA:
+                hi_old = c_desc.load([row0, col0])
+                lo_old = lo_desc.load([row0, col0])
+            else:
+                hi_old = tl.load(c_ptr + offs_c, mask=mask, other=0.0)
+                lo_old = tl.load(lo_ptr + offs_c, mask=mask, other=0.0)
+            acc = (hi_old.to(tl.float32) + lo_old.to(tl.float32)) + acc
+        hi = round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION)
+        rest = acc - hi.to(tl.float32)  # exact: the bits of s below hi's
+        # hi overflowed (s - hi = -inf), or s was inf or NaN (NaN fails the comparison): lo 0, hi inf or NaN
+        rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
+        lo = round_to(rest, lo_ptr.dtype.element_ty, BF16_EMULATION)
+        if C_TMA:  # rows and columns past the end are not written
+            c_desc.store([row0, col0], hi)
+            lo_desc.store([row0, col0], lo)
+        else:
+            tl.store(c_ptr + offs_c, hi, mask=mask)
+            tl.store(lo_ptr + offs_c, lo, mask=mask)
+    else:
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=mask, other=0.0)
+        tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
 
 
 @triton.jit

@@ -5,8 +5,9 @@ gradient da, then the two products per block (the math: ``logits.py`` and ``loss
 from fp32 logits recomputed tile by tile and the forward's log-sum-exp. ``products`` then runs
 grad_hidden[rows] (+)= da @ weight[cols] and grad_weight[cols] (+)= da^T @ hidden[rows] with fp32
 accumulation. The blocks and passes come from ``plan.plan_passes``: the ordinary block loop
-(``_block_passes``), or one pass whose grad_hidden accumulator lives in grad_weight's own memory
-(``_borrowed_pass``).
+(``_block_passes``; for long context, one pass whose grad_hidden is summed as a bf16 + int8 pair,
+``products.compensated``), or one pass whose grad_hidden accumulator lives in grad_weight's own
+memory (``_borrowed_pass``).
 """
 
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ class _Gradients:
     dw_deferred: bool
     first_borrowed_row: int  # grad_weight's rows from here on hold the borrowed accumulator
     one: torch.Tensor  # fp32 (1,): the factor of a sum that is not deferred
+    dx_lo: torch.Tensor | None = None  # the paired plan's int8 remainder of grad_hidden (products.compensated)
 
     def finish_grad_hidden(self, shard) -> None:
         """Sums grad_hidden over the shard's group, and rounds its fp32 accumulator into it."""
@@ -237,9 +239,13 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
         grad_weight, dw_acc = gradient((v, h), n > 0 and triton.cdiv(n, dw_pass.rows) > 1)
         if n == 0:
             dw_acc.zero_()
+    dx_lo = None
     if need_dx and borrowed:
         grad_hidden = device.new((n, h), dtype, where)
         dx_acc, first_borrowed_row = _borrow_accumulator(grad_weight, n, h)
+    elif need_dx and dx_pass.paired:  # summed as a pair: grad_hidden itself and an int8 remainder
+        grad_hidden = dx_acc = device.new((n, h), dtype, where)
+        dx_lo = products.compensation_buffer(grad_hidden, torch.int8)
     elif need_dx:
         grad_hidden, dx_acc = gradient((n, h), triton.cdiv(v, dx_pass.cols) > 1 or shard is not None)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
@@ -252,7 +258,7 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
     dw_deferred = need_dw and dw_acc is not grad_weight
     return coef, _Gradients(grad_hidden, dx_acc, grad_weight, dw_acc, db_acc, unscale, dx_deferred, dw_deferred,
-                            first_borrowed_row, one)
+                            first_borrowed_row, one, dx_lo)
 
 
 def _borrowed_pass(dlogits_of, g: _Gradients, hidden, weight, cols, need_db, shard) -> None:
@@ -300,6 +306,8 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs) -> N
                 da = dlogits_of.block(dlogits, dbias, row0, r, col0, c, p_db)
                 if p_dx and not p.weight_grad:  # whole vocabulary rows: each row's gradient at once
                     products.rows_product(da, weight, g.dx_acc[row0 : row0 + r], g.unscale)
+                elif p_dx and p.paired:  # all N rows; the pair carries the sum across the blocks
+                    products.compensated(da, weight[col0 : col0 + c], g.grad_hidden, g.dx_lo, col0 > 0, g.unscale)
                 elif p_dx and g.dx_deferred:
                     products.accumulate(da, weight[col0 : col0 + c], g.dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:
@@ -322,7 +330,8 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself (16-bit: cuBLAS
     products into it). The grad_hidden accumulator may live in grad_weight's own memory
-    (``BackwardPlan.borrowed``). Who runs each product: ``products``.
+    (``BackwardPlan.borrowed``), or be grad_hidden itself with an int8 remainder, a compensated
+    pair (``BackwardPlan.paired``, long context). Who runs each product: ``products``.
     ``coef`` (3, N) are the per-row coefficients of da and ``common`` an optional fp32 0-d factor
     shared by every row (losses.coefficients), applied to the products in fp32 (the Triton matmul's
     epilogue, or the fp32 accumulator's final rounding) rather than rounded into da, where it would
@@ -341,7 +350,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
             hidden, weight, targets, bias, class_weight, lse2, coef, opts, *needs, shard, common, cfg=c),
             opts.chunk_bytes, shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts, *needs))
     passes = plan.plan_passes(n, v, h, hidden.dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
-                              need_dw)
+                              need_dw, may_pair=shard is None and not need_db)
     borrowed = len(passes) == 1 and passes[0].borrowed and need_dx and need_dw and n > 0
     coef, g = _allocate(hidden, weight, coef, class_weight, opts, passes, needs, borrowed, shard, common)
     dlogits_of = _Dlogits(hidden, weight, targets, bias, class_weight, lse2, coef, opts, shard, cfg)
