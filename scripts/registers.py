@@ -43,7 +43,8 @@ class Case:
     descriptors: dict  # argument name -> block shape
     num_warps: int
     num_stages: int
-    c_dtype: str = "*bf16"  # matmul_kernel's c_ptr (its lo_ptr, used when COMPENSATED, is bf16)
+    c_dtype: str = "*bf16"  # matmul_kernel's c_ptr
+    lo_dtype: str = "bf16"  # matmul_kernel's lo_ptr / lo_desc element, used when COMPENSATED
 
 
 def cases() -> list[Case]:
@@ -94,6 +95,10 @@ def cases() -> list[Case]:
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
                   lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages),
+        Case("matmul, compensated int8", "matmul_kernel", "products",
+             dict(matmul, A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
+             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
+                  lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
         Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
@@ -107,11 +112,13 @@ def _signature(fn, case: Case) -> dict:
             sig[arg] = "constexpr"
         elif arg in case.descriptors:
             rows, cols = case.descriptors[arg]
-            sig[arg] = f"tensordesc<bf16[{rows}, {cols}]>"
+            sig[arg] = f"tensordesc<{case.lo_dtype if arg == 'lo_desc' else 'bf16'}[{rows}, {cols}]>"
         elif arg.endswith("_desc"):  # a descriptor argument this configuration leaves unused
             sig[arg] = "*bf16"
         elif arg == "c_ptr":
             sig[arg] = case.c_dtype
+        elif arg == "lo_ptr":
+            sig[arg] = f"*{case.lo_dtype}"
         elif arg in _FP32_PTRS:
             sig[arg] = "*fp32"
         elif arg in _INT_PTRS:

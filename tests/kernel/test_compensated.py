@@ -283,3 +283,102 @@ def test_a_plain_matmul_launches_as_before(monkeypatch):
     assert (out == 32).all()
     if not ON_GPU:
         assert spy.launches[0]["BF16_EMULATION"]
+
+
+def _pair_int8(hi, lo):
+    """hi + lo * step(hi), ``products.pair_step``: 2^(e - 15) for hi's binary exponent e, e >= -111."""
+    hi = hi.double().cpu()
+    _, ex = torch.frexp(hi)
+    e = torch.where(hi == 0, torch.full_like(ex, -127), ex - 1).clamp(min=-111)
+    return hi + lo.cpu().double() * torch.exp2(e.double() - 15)
+
+
+def test_an_int8_remainder_holds_the_sum_like_a_bf16_one():
+    """The recompute path's long-context grad_hidden (``BackwardPlan.paired``): a bf16 hi with an int8
+    remainder in whole steps of 2^-15 of hi's binade, |lo| <= 127. The same 24 products as above: the
+    pair within the bound with the split's 2^-15 (a step at worst, a tie; against 2^-16 for a bf16
+    lo), hi the exact sum rounded once but for a few entries near a tie, where the plain bf16 sum
+    drifts. Measured on the interpreter: max 2^-13.9, mean 2^-15.9 relative (bf16 lo: 2^-15.4,
+    2^-17.4)."""
+    dtype = torch.bfloat16
+    n, m, k, p = 24, 48, 16, 40
+    chunks = _chunks(n, m, k, p, dtype)
+    hi = _garbage((m, p), dtype)
+    lo = products.compensation_buffer(hi, torch.int8)
+    lo.fill_(-128)  # garbage: the first call writes it
+    assert lo.dtype == torch.int8 and lo.shape == hi.shape and lo.stride() == hi.stride()
+    _run(chunks, hi, lo)
+    assert lo.int().abs().max() <= 127
+
+    exact, bound = _bound(chunks, dtype)
+    # _bound has the bf16 remainder's split (2^-16 of each partial sum); an int8 one loses up to 2^-15.
+    _, partials, _ = _exact(chunks)
+    bound = bound + sum(2.0**-16 * 1.001 * s for s in partials)
+    err = (_pair_int8(hi, lo) - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    rel = err / exact.abs()
+    assert rel.max() <= 2.0**-13.5 and rel.mean() <= 2.0**-15.5, (rel.max().log2(), rel.mean().log2())
+    want = _rounded(exact, dtype)
+    ulps = _ulps(hi, want)
+    assert ulps.max() <= 1 and (ulps > 0).sum() <= 0.01 * ulps.numel(), torch.bincount(ulps.flatten())
+    # Dropping the remainder (hi alone after each call) is the plain sum: far worse.
+    plain = _garbage((m, p), dtype)
+    for i, (a, b) in enumerate(chunks):
+        products.matmul(a, b, plain, i > 0)
+    assert (_ulps(plain, want) > 0).float().mean() >= 0.3
+
+
+def test_an_int8_remainder_needs_a_bf16_hi():
+    a, b = _chunks(1, 8, 16, 8, torch.float16)[0]
+    hi = torch.zeros((8, 8), dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="int8 remainder is for a bf16 hi"):
+        products.compensated(a, b, hi, torch.zeros((8, 8), dtype=torch.int8, device=DEVICE), False)
+
+
+def test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair(monkeypatch):
+    """bf16, V < 2N, no fp32 accumulator in half of ``chunk_bytes``: the recompute backward runs one
+    pass of two vocabulary blocks whose grad_hidden goes through ``compensated`` with an int8
+    remainder (test_correctness.py checks these cases against float64), and its result is the
+    fp32-accumulator plan's (a larger budget) but for rare one-ulp ties."""
+    from fused_linear_ce import fused_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 300, 96, 500
+    hidden = torch.randn(n, h, generator=g).bfloat16().to(DEVICE)
+    weight = (0.5 * torch.randn(v, h, generator=g)).bfloat16().to(DEVICE)
+    targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    calls = []
+    original = products.compensated
+
+    def spy(a, b, hi, lo, accumulate, unscale=None):
+        calls.append((lo.dtype, accumulate, b.shape[0]))
+        return original(a, b, hi, lo, accumulate, unscale)
+
+    def grads(chunk_bytes):
+        x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        fused_linear_cross_entropy(x, w, targets, chunk_bytes=chunk_bytes, strategy="recompute").backward()
+        return x.grad, w.grad
+
+    monkeypatch.setattr(products, "compensated", spy)
+    dx, dw = grads(200000)
+    assert calls == [(torch.int8, False, 256), (torch.int8, True, 244)]
+    calls.clear()
+    dx_fp32, dw_fp32 = grads(4 * n * h * 2 + n * 256 * 2)  # the N x H fp32 accumulator in half the budget
+    assert calls == []
+    assert torch.equal(dw, dw_fp32)  # grad_weight: each block's whole sum at once, in both plans
+    # Off by one ulp where the sum lies within the pair's error of a tie (measured: 0.16% of entries);
+    # more only where the sum cancels to far below its partial sums, whose 2^-16 the pair carries
+    # (measured: 28 ulps on an entry of 3e-8 in a row of 1e-3 entries).
+    ulps = _ulps(dx, dx_fp32)
+    assert (ulps > 0).float().mean() <= 0.01
+    diff = (dx.double() - dx_fp32.double()).abs().cpu()
+    one_ulp = _ulps_size(dx_fp32)
+    row_scale = dx_fp32.double().abs().amax(dim=1, keepdim=True).cpu()
+    assert (diff <= torch.maximum(one_ulp, 2.0**-13 * row_scale)).all()
+
+
+def _ulps_size(t: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp of each entry (float64, CPU)."""
+    x = t.double().cpu()
+    _, e = torch.frexp(x)
+    return torch.exp2(torch.clamp(e.double() - BITS[torch.bfloat16], min=SUBNORMAL_QUANTUM[torch.bfloat16]))

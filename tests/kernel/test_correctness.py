@@ -61,11 +61,12 @@ for dtype in (torch.float16, torch.bfloat16):
     ]
 # bf16 without a bias gradient, V < 2N and no fp32 accumulator in half the budget: one pass of two
 # vocabulary blocks (256 + 244 columns) with grad_hidden summed as a bf16 + int8 pair (the long-context
-# default, BackwardPlan.paired); per-row upstream gradients, and only grad_hidden.
+# default, BackwardPlan.paired); per-row upstream gradients; "sum" (tests/kernel/test_compensated.py
+# checks that these take the pair).
 CASES += [
     Case(300, 96, 500, torch.bfloat16, "mean", ignored=0.2, chunk_bytes=200000),
     Case(300, 96, 500, torch.bfloat16, "none", logit_scale=1.5, softcap=4.0, ignored=0.2, chunk_bytes=200000),
-    Case(300, 96, 500, torch.bfloat16, "sum", grad=("hidden",), chunk_bytes=200000),
+    Case(300, 96, 500, torch.bfloat16, "sum", grad=("hidden", "weight"), chunk_bytes=200000),
 ]
 if ON_GPU:  # sizes that fill the GPU's tiles several times over; too slow for the interpreter
     for dtype in DTYPES:
