@@ -98,19 +98,24 @@ def fused_linear_cross_entropy(
             walks the (N, V) plane in blocks of whole vocabulary rows or whole batch columns, in one
             pass when an fp32 accumulator (N x H or V x H) fits in half the budget; else, for 16-bit
             inputs with V >= 2N, in one pass with the N x H accumulator in grad_weight's own memory;
-            else in two passes without one (grad_hidden, then grad_weight: the logits are recomputed
-            once more).
+            else, for bf16 without a bias gradient or a vocabulary shard (long context), in one pass
+            with grad_hidden summed as a pair, itself and an int8 N x H remainder (within 512 MiB
+            when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096); else in two
+            passes without one (grad_hidden, then grad_weight: the logits are recomputed once more).
             fp32 inputs accumulate in their own gradients. On the chunked path it bounds the buffer
-            of one chunk of rows instead. Larger means fewer, larger products; see the README for
+            of one chunk of rows instead (plus, with several chunks, the int8 V x H remainder of a
+            bf16 grad_weight). Larger means fewer, larger products; see the README for
             measured time against memory.
         strategy: how the gradients are computed. "recompute": the forward keeps only the per-row
             lse; the backward recomputes the logits block by block (4 products in all, memory set
             by ``chunk_bytes``). "chunked": the forward computes the gradients too, chunk of rows by
             chunk of rows (3 products; each chunk's exponentials turned into their gradient in
-            place; an fp32 V x H buffer when there is more than one chunk), and the backward only
-            scales them; not with ``reduction="none"``, ``return_lse`` or softcap together with
-            label smoothing (ValueError). "auto" (default): "chunked" when the options allow it and
-            the whole (N, V) gradient fits in ``chunk_bytes`` (one chunk), else "recompute". The
+            place; with more than one chunk a bf16 grad_weight is summed across them as a pair,
+            itself and an int8 V x H remainder), and the backward only scales them; not with
+            ``reduction="none"``, ``return_lse`` or softcap together with label smoothing
+            (ValueError). "auto" (default): "chunked" when the options allow it and the whole (N, V)
+            gradient fits in ``chunk_bytes`` (one chunk) or the weight is an fp32 master weight
+            under autocast (any N), else "recompute". The
             chunked path holds the gradients from the forward to the backward. Without gradients
             (``torch.no_grad``, nothing requires grad) both run the forward sweep only.
 

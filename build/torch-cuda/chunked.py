@@ -13,9 +13,11 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.chunk_rows``):
    out of the subnormals). The target coefficient B (1 - eps, a class weight) leaves da as on the
    recompute path (``losses.normalize``).
 
-The backward then only multiplies by g (exact when g is a power of two, as 1 is). Sums across chunks
-go through an fp32 buffer (grad_weight: V x H when there is more than one chunk), as in the
-recompute path. The logits are never rounded before the softmax.
+The backward then only multiplies by g (exact when g is a power of two, as 1 is). With more than one
+chunk, a bf16 grad_weight is summed across them as a compensated pair, itself and an int8 V x H
+remainder (``products.compensated``: ~16 bits of the running sum, V x H bytes where an fp32 buffer
+took 4); an fp32 one (fp16's unit gradients, an fp32 master weight) is its own accumulator. The
+logits are never rounded before the softmax.
 
 The rounding of da (``softmax_gradient_kernel``): the sweep leaves, for every element of a chunk of
 rows, ``e = exp(z - m_tile)`` rounded to the buffer's dtype, where
@@ -106,12 +108,14 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     dx_acc = grad_hidden
     if need_dx and shard is not None and out_dtype != torch.float32:
         dx_acc = device.new((n, h), torch.float32, where)  # summed over ranks in fp32
-    grad_weight = dw_acc = None
+    grad_weight = None
+    dw_lo = None
     if need_dw and dw_dtype == torch.float32:  # an fp32 master weight: its gradient is the accumulator
-        grad_weight = dw_acc = device.new((v, h), torch.float32, where)
+        grad_weight = device.new((v, h), torch.float32, where)
     elif need_dw:
         grad_weight = device.new((v, h), out_dtype, where)
-        dw_acc = device.new((v, h), torch.float32, where) if n_chunks > 1 and out_dtype != torch.float32 else grad_weight
+        if n_chunks > 1 and out_dtype == torch.bfloat16:  # a pair with an int8 remainder (fp16: fp32 already)
+            dw_lo = products.compensation_buffer(grad_weight, torch.int8)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
@@ -137,8 +141,10 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         da = gradient_in_place(e, tile_stats, stats, coef, targets[sl], class_weight, dbias, opts, shard, cfg)
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
-        if need_dw:
-            products.product(da.t(), hidden[sl], dw_acc, row0 > 0, chunk_unscale)
+        if need_dw and dw_lo is not None:
+            products.compensated(da.t(), hidden[sl], grad_weight, dw_lo, row0 > 0, chunk_unscale)
+        elif need_dw:
+            products.product(da.t(), hidden[sl], grad_weight, row0 > 0, chunk_unscale)
         if need_db:
             products.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 
@@ -146,8 +152,6 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         parallel.all_reduce(dx_acc, shard)
         if dx_acc is not grad_hidden:
             grad_hidden.copy_(dx_acc)
-    if need_dw and dw_acc is not grad_weight:
-        grad_weight.copy_(dw_acc)
     grad_bias = db_acc if need_db else None  # (V,) fp32: cheap, and rounded once, in the backward
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias
 

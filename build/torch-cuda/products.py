@@ -119,18 +119,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     )
 
 
-def compensation_buffer(hi: torch.Tensor) -> torch.Tensor:
-    """The ``lo`` half of a compensated pair for the 16-bit ``hi`` (``compensated``): bf16 whatever
-    hi's dtype, hi's shape and strides, uninitialised (NaN under FUSED_LINEAR_CE_POISON=1; the first
-    ``compensated`` call, ``accumulate=False``, writes every element).
+def compensation_buffer(hi: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The ``lo`` half of a compensated pair for the 16-bit ``hi`` (``compensated``), hi's shape and
+    strides, uninitialised (NaN, or -1 for int8, under FUSED_LINEAR_CE_POISON=1; the first
+    ``compensated`` call, ``accumulate=False``, writes every element). ``dtype``: bf16 (default) or
+    int8 (a bf16 ``hi`` only: the remainder in steps of ``pair_step(hi)``, half the bytes, the same
+    ~16 bits of the sum; the recompute path's long-context grad_hidden).
 
     bf16 and not hi's dtype for an fp16 hi: the remainder is at most half an ulp of hi, 2^-11 of
     it, and fp16's range ends at 6e-5 (subnormals to 6e-8): an fp16 remainder of a gradient entry
     under ~0.25 loses bits, and under 2^-13 is all lost, where a bf16 one keeps its 8 bits down to
     1e-38."""
-    lo = torch.empty_like(hi, dtype=torch.bfloat16)
+    lo = torch.empty_like(hi, dtype=dtype)
     if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
-        lo.fill_(float("nan"))
+        lo.fill_(-1 if dtype == torch.int8 else float("nan"))
     return lo
 
 
@@ -143,8 +145,10 @@ def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Te
     hi = s rounded to hi's dtype, lo = (s - hi) (exact in fp32) rounded to lo's dtype.
 
     ``accumulate=False`` (the first product) writes both, whatever they held. hi: bf16 or fp16; lo:
-    ``compensation_buffer(hi)`` (bf16; an fp16 lo is taken but loses the remainder of small entries),
-    hi's shape and strides. Each call's sum is rounded to fp32 once before the split, and the split
+    ``compensation_buffer(hi)`` (bf16; an fp16 lo is taken but loses the remainder of small entries)
+    or, for a bf16 hi, ``compensation_buffer(hi, torch.int8)`` (the remainder in whole steps of
+    ``pair_step(hi)``, 2^-16 of hi's binade but for ties: about the same, in one byte), hi's shape and
+    strides. Each call's sum is rounded to fp32 once before the split, and the split
     loses at most half an ulp of lo: per call 2^-16 of the sum at worst (bf16 hi: lo's 8 bits
     below hi's 8), 2^-19 for an fp16 hi (11 + 8; 2^-33 absolute under fp16's smallest normal),
     against 2^-9 for a plain bf16 accumulator. The errors add up over the calls, relative to each
@@ -152,8 +156,10 @@ def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Te
     After the last product ``hi`` is the running sum rounded once to its dtype (but for entries
     within the pair's error of a tie) and ``lo`` can go. Overflow: a sum past hi's range leaves hi
     inf and lo 0 (inf stays inf, as in a plain 16-bit sum); NaN stays NaN."""
-    if hi.dtype not in (torch.bfloat16, torch.float16) or lo.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"compensated: hi and lo must be bf16 or fp16, got {hi.dtype} and {lo.dtype}")
+    if hi.dtype not in (torch.bfloat16, torch.float16) or lo.dtype not in (torch.bfloat16, torch.float16, torch.int8):
+        raise ValueError(f"compensated: hi must be bf16 or fp16 and lo bf16, fp16 or int8, got {hi.dtype} and {lo.dtype}")
+    if lo.dtype == torch.int8 and hi.dtype != torch.bfloat16:
+        raise ValueError("compensated: an int8 remainder is for a bf16 hi (its steps follow bf16's ulp)")
     if lo.shape != hi.shape or lo.stride() != hi.stride():
         raise ValueError(f"compensated: lo {tuple(lo.shape)} strides {lo.stride()} must match hi "
                          f"{tuple(hi.shape)} strides {hi.stride()}")
@@ -233,6 +239,18 @@ def load_block(desc, row0, col0, TRANSPOSED: tl.constexpr):
         return desc.load([col0, row0]).T
     else:
         return desc.load([row0, col0])
+
+
+@triton.jit
+def pair_step(hi):
+    """The unit of an int8 remainder of a bf16 ``hi``: 2^(e - 15) for hi's binary exponent e (2^-126
+    and below: the step of 2^-111). Half an ulp of a bf16 value is 2^(e - 8), so its remainder is
+    within [-128, 128] steps; rounded to a whole step and clamped to [-127, 127] (only an exact tie
+    reaches 128) it is off by at most one step, 2^-15 of hi's binade, half a step but for ties: the
+    pair holds the sum to ~16 bits below hi's leading one, as a bf16 remainder would, in one byte."""
+    bits = hi.to(tl.float32).to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 16)
+    return ((exponent - 15) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -335,12 +353,18 @@ def matmul_kernel(
             else:
                 hi_old = tl.load(c_ptr + offs_c, mask=mask, other=0.0)
                 lo_old = tl.load(lo_ptr + offs_c, mask=mask, other=0.0)
-            acc = (hi_old.to(tl.float32) + lo_old.to(tl.float32)) + acc
+            if lo_ptr.dtype.element_ty == tl.int8:  # the remainder in steps of pair_step(hi)
+                acc = (hi_old.to(tl.float32) + lo_old.to(tl.float32) * pair_step(hi_old)) + acc
+            else:
+                acc = (hi_old.to(tl.float32) + lo_old.to(tl.float32)) + acc
         hi = round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION)
         rest = acc - hi.to(tl.float32)  # exact: the bits of s below hi's
         # hi overflowed (s - hi = -inf), or s was inf or NaN (NaN fails the comparison): lo 0, hi inf or NaN
         rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
-        lo = round_to(rest, lo_ptr.dtype.element_ty, BF16_EMULATION)
+        if lo_ptr.dtype.element_ty == tl.int8:  # |rest| <= 128 steps (a tie), a whole number of them
+            lo = tl.minimum(tl.maximum(tl.floor(rest / pair_step(hi) + 0.5), -127.0), 127.0).to(tl.int8)
+        else:
+            lo = round_to(rest, lo_ptr.dtype.element_ty, BF16_EMULATION)
         if C_TMA:  # rows and columns past the end are not written
             c_desc.store([row0, col0], hi)
             lo_desc.store([row0, col0], lo)

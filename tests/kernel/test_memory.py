@@ -18,8 +18,8 @@ No bias here (its (N / block_n) x V fp32 partial sums would add to the O(N) part
 
 The chunked path (``chunked.py``) holds, above the inputs: the gradients computed in the forward
 (N x H + V x H, input dtype), while the forward runs the chunk buffer (rows x V, input dtype), the
-per-tile statistics (3 x T x rows fp32, T = V / block_v) and with more than one chunk the fp32 V x H
-accumulator; in the backward two more gradient-sized sets at its peak (the scaled copies and one
+per-tile statistics (3 x T x rows fp32, T = V / block_v) and with more than one chunk grad_weight's
+int8 V x H remainder (``products.compensated``); in the backward two more gradient-sized sets at its peak (the scaled copies and one
 transient set; an H200 probe at this shape read 403 MiB at the forward's peak and 424 MiB at the
 backward's, 3 x 141 MiB). Its products run in cuBLAS, whose workspaces come from the caching
 allocator: a 1000-call run on the H200 (2026-11-30) peaked at 544 MiB, 120 MiB above the probe,
@@ -85,7 +85,7 @@ def _bound(chunk_bytes, strategy) -> int:
         rows = configs.chunk_rows(N, V, DTYPE, chunk_bytes, cfg.block_n)
         forward = rows * V * itemsize + 3 * triton.cdiv(V, cfg.block_v) * rows * 4
         if rows < N:
-            forward += 4 * V * H
+            forward += V * H  # grad_weight's int8 remainder (a compensated pair across chunks)
         return gradients + max(forward, 2 * gradients) + 32 * 8 * N + ALLOCATOR_SLACK + CUBLAS_SLACK
     cfg, tiles = configs.sweep_config(DTYPE), configs.dlogits_config(DTYPE)
     passes = configs.plan_passes(N, V, H, DTYPE, chunk_bytes, tiles.block_n, tiles.block_v, True, True)
