@@ -7,9 +7,10 @@ in one process on one GPU:
   ours on the recompute path, and ``torch.compile`` of ``F.linear`` + ``F.cross_entropy`` under the same
   autocast. Extra memory = peak above the inputs minus the fp32 gradients of hidden and weight and
   minus autocast's bf16 copy of the weight (V x H x 2 bytes), which every method holds in some form.
-- ``pair``: bf16 weights; the chunked path at several chunk sizes, whose weight gradient is summed
-  across chunks in a compensated pair of bf16 buffers (the gradient and a V x H bf16 remainder),
-  against Liger (bf16 sums across chunks) and ours by default. Extra = peak minus the bf16 gradients.
+- ``pair``: bf16 weights; ours by default (at S4 the recompute path's paired plan: grad_hidden summed
+  as bf16 + int8 in one pass), ours at 256 MiB (at S4 the two-pass plan), the chunked path at several
+  chunk sizes, whose weight gradient is summed across chunks as a pair (the gradient and an int8
+  V x H remainder), against Liger (bf16 sums across chunks). Extra = peak minus the bf16 gradients.
 
 Errors are relative Frobenius norms against the fp32-logit reference of the bf16-rounded operands
 (TF32 matmuls read bf16 exactly). Times: CUDA events around whole forward+backward steps, the
@@ -122,6 +123,7 @@ def main():
                     "torch-compile": lambda hd, wd: compiled(hd, wd, targets),
                     "flce": lambda hd, wd: flce(hd, wd, targets),
                     "flce-448M": lambda hd, wd: flce(hd, wd, targets, chunk_bytes=448 * MiB),
+                    "flce-1G": lambda hd, wd: flce(hd, wd, targets, chunk_bytes=1024 * MiB),
                     "flce-cast-first": lambda hd, wd: flce(hd, wd.to(torch.bfloat16), targets),
                     "flce-recompute": lambda hd, wd: flce(hd, wd, targets, strategy="recompute"),
                 }
@@ -134,7 +136,10 @@ def main():
                     torch.cuda.empty_cache()
                 del hidden, weight
             if "pair" in args.parts:
-                variants = {"flce": lambda hd, wd: flce(hd, wd, targets)}
+                # flce: the default (S4: the paired one-pass plan); flce-256M: the same budget for
+                # everything, which at S4 leaves no room beside the remainder: the two-pass plan.
+                variants = {"flce": lambda hd, wd: flce(hd, wd, targets),
+                            "flce-256M": lambda hd, wd: flce(hd, wd, targets, chunk_bytes=256 * MiB)}
                 for size in (448, 1024):
                     variants[f"flce-chunked-{size}M"] = (
                         lambda hd, wd, s=size: flce(hd, wd, targets, strategy="chunked", chunk_bytes=s * MiB))
