@@ -170,6 +170,11 @@ def _setup_context(ctx, inputs, output):
     # ctx.computed: the gradients the forward op was told would be wanted.
     _, ctx.options, ctx.computed, ctx.chunked = _forward_call(None, hidden, weight, tuple(options))
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    # Outputs without a gradient reach the backward as None, not as zeros: the chunked path's three
+    # gradient outputs would otherwise each get a materialised zero tensor of their size (a V x H
+    # one: 2 GiB for an fp32 master weight at 128256 x 4096) at the start of every backward.
+    ctx.set_materialize_grads(False)
+    ctx.loss_shape = output[0].shape
     # The loss and the lse carry gradients; the metric sums (argmax and entropy counts, forward-only
     # statistics) and the lse's internal form do not, and autograd says so (requires_grad=False).
     # The chunked path's gradients stay differentiable outputs: differentiating the gradient they
@@ -220,6 +225,9 @@ def _(grad, grad_loss):
 def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
     need_dx, need_dw, need_db = ctx.needs
     o = ctx.options
+    if grad_loss is None:  # only the lse reaches the loss: the loss's own gradient is 0
+        ref = grad_lse if grad_lse is not None else ctx.saved_tensors[0]
+        grad_loss = torch.zeros(ctx.loss_shape, dtype=torch.float32, device=ref.device)
     if ctx.chunked:
         missing = [name for name, need, computed in zip(("hidden", "weight", "bias"), ctx.needs, ctx.computed)
                    if need and not computed]

@@ -183,3 +183,19 @@ def test_no_grad_with_strategy_chunked_computes_no_gradients(mode, monkeypatch):
     assert loss.grad_fn is None
     # The same value; not bit for bit: the chunked sweep merges one split per vocabulary tile.
     torch.testing.assert_close(loss, with_grad.detach(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_loss_that_uses_only_the_lse_gets_its_gradient(reduction):
+    """Outputs without a gradient reach the backward as None (no materialised zero gradients of the
+    chunked path's gradient-sized outputs): a loss of the lse alone still gets the lse's gradient,
+    the same as the loss times zero plus the lse."""
+    case = Case(33, 40, 300, torch.float32, reduction, bias=True, ignored=0.2)
+    leaves, targets = _leaves(case)
+    loss, lse = _loss(leaves, targets, case, return_lse=True)
+    only = torch.autograd.grad((lse * lse).sum(), list(leaves.values()))
+    loss, lse = _loss(leaves, targets, case, return_lse=True)
+    both = torch.autograd.grad((loss * 0).sum() + (lse * lse).sum(), list(leaves.values()))
+    for a, b in zip(only, both):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
