@@ -142,7 +142,7 @@ def main():
                 # everything, which at S4 leaves no room beside the remainder: the two-pass plan.
                 variants = {"flce": lambda hd, wd: flce(hd, wd, targets),
                             "flce-256M": lambda hd, wd: flce(hd, wd, targets, chunk_bytes=256 * MiB)}
-                for size in (448, 1024):
+                for size in (448, 960, 1024):
                     variants[f"flce-chunked-{size}M"] = (
                         lambda hd, wd, s=size: flce(hd, wd, targets, strategy="chunked", chunk_bytes=s * MiB))
                 liger = liger_loss(targets)

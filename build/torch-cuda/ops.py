@@ -183,7 +183,6 @@ def _setup_context(ctx, inputs, output):
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
-        ctx.master = weight.dtype != hidden.dtype
     else:
         ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor, scalars_)
 
@@ -212,8 +211,8 @@ def _(grad_hidden, grad_weight, grad_bias, grad_loss, hidden_dtype, weight_dtype
 
 @torch.library.custom_op(f"{NAMESPACE}::scale_in_place", mutates_args=("grad",))
 def scale_in_place(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
-    """grad *= the upstream gradient, in place (fp32 arithmetic, ``products.scale``): the chunked
-    path's fp32 master-weight gradient, which is already in the leaf's dtype."""
+    """grad *= the upstream gradient, in place (fp32 arithmetic, one rounding, ``products.scale``): a
+    chunked-path gradient already in its leaf's dtype."""
     products.scale(grad, grad_loss.to(torch.float32), out=grad)
 
 
@@ -234,15 +233,22 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
         if missing:
             raise RuntimeError(f"fused_linear_cross_entropy: {missing} did not require grad when the loss was "
                                "computed, so the chunked path computed no gradient for them")
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        if ctx.master and need_dw:
-            # The fp32 master gradient is scaled where it is (no second V x H fp32 tensor) and
-            # becomes the weight's gradient; a second backward then fails autograd's version check.
-            scale_in_place(grad_weight, grad_loss)
-            dx, _, db = scale_gradients(grad_hidden, grad_weight.new_empty((0,)), grad_bias, grad_loss, *ctx.dtypes)
-            dw = grad_weight
-        else:
-            dx, dw, db = scale_gradients(grad_hidden, grad_weight, grad_bias, grad_loss, *ctx.dtypes)
+        saved = ctx.saved_tensors
+        # A gradient already in its leaf's dtype (bf16 and fp32 inputs, an fp32 master weight) is
+        # scaled where it is and becomes the leaf's gradient: no second gradient-sized tensor (a
+        # V x H one) at the backward's peak; a second backward through the same graph then fails
+        # autograd's version check instead of scaling it twice. fp16's fp32 unit gradients and the
+        # bias's fp32 sums are scaled into new tensors of the leaves' dtypes, and so is everything
+        # under create_graph=True (differentiating the result must reach ``scale_gradients`` and
+        # raise its clear error).
+        in_place = [need and t.dtype == d and not torch.is_grad_enabled()
+                    for t, d, need in zip(saved[:2], ctx.dtypes[:2], (need_dx, need_dw))]
+        for t, yes in zip(saved[:2], in_place):
+            if yes:
+                scale_in_place(t, grad_loss)
+        rest = [t.new_empty((0,)) if yes else t for t, yes in zip(saved[:2], in_place)]
+        dx, dw, db = scale_gradients(*rest, saved[2], grad_loss, *ctx.dtypes)
+        dx, dw = [t if yes else out for t, out, yes in zip(saved[:2], (dx, dw), in_place)]
     else:
         hidden, weight, bias, targets, class_weight, lse2, divisor, scalars_ = ctx.saved_tensors
         if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient

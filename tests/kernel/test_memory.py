@@ -19,9 +19,11 @@ No bias here (its (N / block_n) x V fp32 partial sums would add to the O(N) part
 The chunked path (``chunked.py``) holds, above the inputs: the gradients computed in the forward
 (N x H + V x H, input dtype), while the forward runs the chunk buffer (rows x V, input dtype), the
 per-tile statistics (3 x T x rows fp32, T = V / block_v) and with more than one chunk grad_weight's
-int8 V x H remainder (``products.compensated``); in the backward two more gradient-sized sets at its peak (the scaled copies and one
-transient set; an H200 probe at this shape read 403 MiB at the forward's peak and 424 MiB at the
-backward's, 3 x 141 MiB). Its products run in cuBLAS, whose workspaces come from the caching
+int8 V x H remainder (``products.compensated``); in the backward, before v18, two more
+gradient-sized sets at its peak (the scaled copies and materialised zero gradients of the op's
+gradient outputs; an H200 probe at this shape read 403 MiB at the forward's peak and 424 MiB at the
+backward's, 3 x 141 MiB). Since v18 bf16 gradients are scaled in place and no zeros are
+materialised: the bound's 2 x gradients is a ceiling. Its products run in cuBLAS, whose workspaces come from the caching
 allocator: a 1000-call run on the H200 (2026-11-30) peaked at 544 MiB, 120 MiB above the probe,
 which is not attributed; CUBLAS_SLACK covers it.
 
