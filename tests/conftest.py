@@ -81,6 +81,7 @@ GPU_SECONDS = {
     "test_bf16_emulation.py": 2,
     "test_borrowed_accumulator.py": 15,
     "test_compensated.py": 10,  # 16 small matmul tests (a few compiles each)
+    "test_master_weight.py": 30,  # 16 small autocast cases, one torch.compile, one GPU memory case
     "test_correctness.py": 340,  # 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
     "test_determinism.py": 20,
     "test_examples.py": 120,  # trains the Llama example twice in a subprocess
@@ -131,7 +132,8 @@ GPU_STARTUP_S = 30  # interpreter, torch/CUDA/Triton import and collection, per 
 GPU_TIER = {
     "test_gpu_scale.py": True,
     "test_products.py": True,
-    "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-view-bf16]",),
+    "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-bf16]", "test_the_long_context_plan"),
+    "test_master_weight.py": ("test_extra_memory_is_the_weight_copy_and_the_chunk", "[bf16-chunked-chunks]"),
     "test_plan.py": True,
     "test_correctness.py": ("-recompute]", "-chunked]", "[N1000H512V50257-", "[N4096H1024V32001-"),
     "test_scale.py": ("test_hidden_and_plane_past_int32_elements", "chunk1048576]", "test_misaligned_pointers_give_the_aligned_result[bf16]"),

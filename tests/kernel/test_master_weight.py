@@ -145,8 +145,11 @@ def test_compiles_without_a_graph_break_under_autocast():
 def test_extra_memory_is_the_weight_copy_and_the_chunk():
     """N = 8192, H = 2048, V = 32000, fp32 weight under bf16 autocast, several 32 MiB chunks: the peak
     above the inputs and the fp32 gradients is the bf16 copy of the weight the products read (what
-    autocast keeps too), the chunk's buffer and N-sized tensors. Casting first also holds a bf16
-    weight gradient and its int8 remainder during the forward (3 V x H bytes more at least)."""
+    autocast keeps too), the chunk's buffer and N-sized tensors, while the fp32 weight gradient is
+    summed during the forward. (Casting first peaks about as high: on the H200 162 MiB here against
+    125, its bf16 gradient and int8 remainder in the forward and the fp32 copy in the backward;
+    what the master weight saves is the recompute path's extra products at long N and the 16-bit
+    rounding of the weight gradient, tests above.)"""
     n, h, v = 8192, 2048, 32000
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g)
@@ -154,7 +157,7 @@ def test_extra_memory_is_the_weight_copy_and_the_chunk():
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
     budget = 32 * MiB
 
-    def extra(cast_first):
+    def extra(cast_first):  # peak above the inputs and the fp32 gradients, MiB
         hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         for _ in range(2):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -172,9 +175,10 @@ def test_extra_memory_is_the_weight_copy_and_the_chunk():
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base - hh.grad.nbytes - ww.grad.nbytes) / MiB
 
-    master, cast = extra(False), extra(True)
+    master = extra(False)
     copy = v * h * 2 / MiB
     # The chunk (32 MiB), its per-tile statistics, the bf16 hidden copy (32 MiB) and its bf16
-    # gradient (32 MiB), O(N) vectors, allocator rounding.
+    # gradient (32 MiB), O(N) vectors, allocator rounding. Measured 37 MiB beyond the copy.
     assert master <= copy + 160, f"{master - copy:.0f} MiB beyond the weight copy"
-    assert cast >= master + 0.9 * 3 * v * h / MiB, f"cast first {cast:.0f} MiB, master {master:.0f} MiB"
+    # Not vacuous: a 16-bit weight gradient (125 MiB) or an fp32 V x H accumulator (250) would not fit.
+    assert master < copy + v * h * 2 / MiB
