@@ -127,14 +127,15 @@ GPU_STARTUP_S = 30  # interpreter, torch/CUDA/Triton import and collection, per 
 # The tier, by file: True = every test of the file; a tuple = tests whose name (with parameters)
 # contains one of the strings. Paths: recompute (sweep + backward plans) and chunked, per dtype; the
 # products (TMA, pointer, cuBLAS; the compensated pair through descriptors); realistic sizes (Llama-3 bf16 all plans, sizes past int32, the
-# fp32/fp16/bf16 GPU-size correctness cases); memory bounds; ignored row blocks; loss variants;
-# autotuning; CUDA graphs; loading through kernels.
+# fp32/fp16/bf16 GPU-size correctness cases); memory bounds (an fp32 master weight's too); ignored
+# row blocks; loss variants; autotuning; CUDA graphs; loading through kernels. Left to the shards
+# since v18, to keep the estimate within budget (388 s on the H200's collection with them): the
+# backward planner (shape arithmetic, no kernel) and loading from the Hub cache (test_loader stays).
 GPU_TIER = {
     "test_gpu_scale.py": True,
     "test_products.py": True,
-    "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-bf16]", "test_the_long_context_plan"),
-    "test_master_weight.py": ("test_extra_memory_is_the_weight_copy_and_the_chunk", "[bf16-chunked-chunks]"),
-    "test_plan.py": True,
+    "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-bf16]",),
+    "test_master_weight.py": ("test_extra_memory_is_the_weight_copy_and_the_chunk",),
     "test_correctness.py": ("-recompute]", "-chunked]", "[N1000H512V50257-", "[N4096H1024V32001-"),
     "test_scale.py": ("test_hidden_and_plane_past_int32_elements", "chunk1048576]", "test_misaligned_pointers_give_the_aligned_result[bf16]"),
     "test_memory.py": ("[default-recompute]", "[16MiB-chunked]"),
@@ -147,7 +148,6 @@ GPU_TIER = {
     "test_grad_semantics.py": ("test_second_backward_accumulates_into_existing_grad",),
     "test_loader.py": True,
     "test_logprobs.py": ("[bf16-", "test_compiles", "test_cuda_graph"),
-    "test_hub_cache.py": ("test_get_kernel_version_from_hub_cache_offline",),
     "test_patch_model.py": ("test_peak_memory_is_lower_than_unpatched",),
 }
 # Tier strings naming cases that only a GPU run parametrizes (tests/packaging/test_tiers.py checks the others

@@ -270,7 +270,7 @@ def test_an_accelerate_hook_on_the_head_still_runs():
 
 
 @pytest.mark.parametrize("hook", [lambda o: o + 1.0, lambda o: o[..., :100], lambda o: torch.tanh(torch.tanh(o)),
-                                  lambda o: o * torch.ones(1, requires_grad=True), lambda o: o * -2.0 * torch.tanh(o)],
+                                  lambda o: o * torch.ones(1, device=o.device, requires_grad=True), lambda o: o * -2.0 * torch.tanh(o)],
                          ids=["add", "slice", "tanh-tanh", "learned-scale", "logits-times-logits"])
 def test_other_logit_transforms_raise(hook):
     model = llama()
