@@ -23,7 +23,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 
 MiB = 1 << 20
-SETTINGS = {"recompute (default)": dict(), "chunked, 256 MiB chunks": dict(strategy="chunked")}
+SETTINGS = {"recompute (default)": dict(), "chunked, 256 MiB chunks": dict(strategy="chunked"),
+            # The per-token outputs (fused_linear_logprobs), log-probs and entropy both carrying gradient as
+            # in GRPO: the vocabulary-parallel statistics stay O(N) (issue 23).
+            "per-token log-probs + entropy": dict(per_token=True)}
 
 
 def _time(step, reps=20, warmup=3):
@@ -41,13 +44,24 @@ def _time(step, reps=20, warmup=3):
     return sorted(times)[len(times) // 2]
 
 
-def _measure(hidden, weight, targets, kwargs, group, counter):
-    from fused_linear_ce import fused_linear_cross_entropy
+def _loss(h, w, targets, kwargs, group):
+    """The setting's scalar loss: the mean loss, or for ``per_token`` -sum(log_probs) / N plus 0.01 x
+    the mean entropy (both per-token fields carry gradient)."""
+    from fused_linear_ce import fused_linear_cross_entropy, fused_linear_logprobs
 
+    kwargs = dict(kwargs)
+    if kwargs.pop("per_token", False):
+        out = fused_linear_logprobs(h, w, targets, outputs=("log_probs", "entropy"), process_group=group, **kwargs)
+        n = targets.numel()
+        return -out["log_probs"].sum() / n + 0.01 * out["entropy"].sum() / n
+    return fused_linear_cross_entropy(h, w, targets, process_group=group, **kwargs)
+
+
+def _measure(hidden, weight, targets, kwargs, group, counter):
     def step():
         h = hidden.detach().requires_grad_(True)
         w = weight.detach().requires_grad_(True)
-        fused_linear_cross_entropy(h, w, targets, process_group=group, **kwargs).backward()
+        _loss(h, w, targets, kwargs, group).backward()
         return h.grad, w.grad
 
     step()
