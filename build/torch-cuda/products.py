@@ -103,8 +103,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         flags["BF16_EMULATION"] = any(device.bf16_emulation(t.dtype) for t in (a, c, lo))
         # The pair through descriptors where the layouts allow: a 2-D tile of pointers spills.
         # Contiguous buffers only: on the H200 the pair stored through descriptors over a view of
-        # 70 of 80 columns changed the columns past the view (tests/kernel/test_compensated.py,
-        # 2026-12-01); every pair the package sums into is a whole gradient.
+        # 70 of 80 columns changed the columns past the view (tests/kernel/test_compensated.py);
+        # every pair the package sums into is a whole gradient.
         c_tma = (cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and device.tma_layout(lo) and c.is_contiguous() and lo.is_contiguous())
     c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_p]) if c_tma else c
