@@ -78,17 +78,22 @@ def measure(fn, hidden, weight, ref, autocast, reps, subtract):
     out["peak_mib"] = peak / MiB
     out["above_grads_mib"] = (peak - grads) / MiB
     out["extra_mib"] = (peak - grads - subtract) / MiB
+    out["ms_all"] = event_times(lambda: step(fn, hidden, weight, autocast), reps)
+    out["ms"] = statistics.median(out["ms_all"])
+    return out
+
+
+def event_times(run, reps):
+    """``reps`` timings (ms, CUDA events) of ``run()``, each waited for."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step(fn, hidden, weight, autocast)
+        run()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    out["ms"] = statistics.median(times)
-    out["ms_all"] = times
-    return out
+    return times
 
 
 def torch_ce(h, w, t):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fused_linear_ce import fused_linear_cross_entropy, products  # noqa: E402
 
 from bench import SHAPES, make_data, versions  # noqa: E402
-from experiment_accumulators import reference, rel  # noqa: E402
+from experiment_accumulators import event_times, reference, rel  # noqa: E402
 from experiment_common import liger_loss, parse_args  # noqa: E402
 
 MiB = 1 << 20
@@ -49,15 +49,7 @@ def timed(fn, hidden, weight, reps):
         return h.grad, w.grad
 
     dx, dw = step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return dx, dw, statistics.median(times), step
+    return dx, dw, statistics.median(event_times(step, reps)), step
 
 
 def kernel_table(step):

@@ -116,6 +116,20 @@ class _Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
+def same_steps(theirs, ours, ids, mask, labels, counts):
+    """One step of each model per ``num_items_in_batch`` in ``counts`` (None: not passed), from zeroed
+    gradients: the same loss and gradients every time. Returns the last (unpatched, patched) outputs."""
+    for num_items in counts:
+        for m in (theirs, ours):
+            m.zero_grad()
+        kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
+        want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+        got = step(ours, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
+        assert_same_grads(theirs, ours)
+    return want, got
+
+
 def train(model, tmp_path, steps=3):
     """3 optimizer steps of transformers.Trainer with 2 micro-batches each: the per-micro-batch losses,
     the accumulated gradients before each optimizer step, what the forward returned. Plain SGD: Adam
@@ -197,14 +211,7 @@ def test_ignore_index_num_items_and_metrics():
     theirs = llama()
     ours = patch_model(copy.deepcopy(theirs), return_metrics=True)
     ids, labels, mask = batch()
-    for num_items in (None, 19, torch.tensor(23, device=DEVICE)):
-        for m in (theirs, ours):
-            m.zero_grad()
-        kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
-        want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
-        got = step(ours, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
-        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
-        assert_same_grads(theirs, ours)
+    want, got = same_steps(theirs, ours, ids, mask, labels, (None, 19, torch.tensor(23, device=DEVICE)))
     logits = want.logits.detach()[:, :-1]
     targets = labels[:, 1:]
     counted = targets != -100
@@ -519,14 +526,7 @@ def test_per_token_fields_on_request_with_the_same_loss_and_gradients():
     fields = ("log_probs", "entropy", "is_top1")
     ours = patch_model(copy.deepcopy(theirs), outputs=fields, return_metrics=True)
     ids, labels, mask = batch()
-    for num_items in (None, 19):
-        for m in (theirs, ours):
-            m.zero_grad()
-        kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
-        want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
-        got = step(ours, input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
-        torch.testing.assert_close(got.loss, want.loss, rtol=TOL, atol=1e-6)
-        assert_same_grads(theirs, ours)
+    want, got = same_steps(theirs, ours, ids, mask, labels, (None, 19))
     logits = want.logits.detach().float()
     scored = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
     counted = scored != -100
