@@ -142,15 +142,14 @@ def backward(
     chunk_bytes: Optional[int], group_id: int, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed; an fp32 master
-    ``weight`` is cast for the products again, and its gradient comes back in fp32."""
+    ``weight`` is cast for the products again, and its gradient is summed in fp32
+    (``recompute.backward``'s ``dw_dtype``)."""
     opts = _options(scalars, ignore_index, has_softcap, reduction, False, False, grad_lse is not None, chunk_bytes)
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
     dx, dw, db = recompute.backward(hidden, _low(weight, hidden), targets, bias, class_weight, lse2, coef, opts,
-                                    need_dx, need_dw, need_db, shard, common)
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
+                                    need_dx, need_dw, need_db, shard, common, dw_dtype=weight.dtype)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dx, dw, db))
 
 

@@ -126,7 +126,7 @@ def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan
 
 
 def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw, *,
-                may_pair=False) -> tuple[BackwardPlan, ...]:
+                may_pair=False, fp32_weight_grad=False) -> tuple[BackwardPlan, ...]:
     """The recompute backward's passes, so that its extra memory (da blocks and fp32 accumulators)
     stays within ``chunk_bytes`` at any N. ``need_rows``: grad_hidden or grad_bias is wanted.
 
@@ -145,6 +145,9 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
       grad_hidden summed as a bf16 + int8 pair (``BackwardPlan.paired``), four products. Its budget
       when ``chunk_bytes`` is None is DEFAULT_PAIRED_BYTES (the remainder is N x H bytes: 256 MiB at
       N = 65536, H = 4096), else ``chunk_bytes``.
+    - Else, when ``fp32_weight_grad`` (an fp32 master weight: grad_weight is fp32 and its own
+      accumulator), one pass of token blocks of whole vocabulary rows, grad_weight summed over them
+      in place: four products, the budget all da block (``dw_accumulator`` False: no other buffer).
     - Otherwise two passes, each without an accumulator: token blocks for grad_hidden and
       grad_bias, then vocabulary blocks for grad_weight. The logits are recomputed once more
       (5 products instead of 4), and the memory stays flat in N.
@@ -176,6 +179,8 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
         cols = _vocab_cols(max(0, paired_budget - n * h) // item, n, block_v)
         if cols >= block_v:
             return (BackwardPlan(n, cols, True, False, paired=True),)
+    if fp32_weight_grad:
+        return (BackwardPlan(_token_rows(elems, v, block_n), v, False, False),)
     if dw_pass is not None:
         return (rows_pass, dw_pass)
     return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns

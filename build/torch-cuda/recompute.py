@@ -216,9 +216,10 @@ class _Gradients:
         return self.unscale if deferred and self.unscale is not None else self.one
 
 
-def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, borrowed, shard, common):
+def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, borrowed, shard, common, dw_dtype):
     """The gradients and accumulators of ``backward`` (``_Gradients``), and the coefficients (fp16's
-    lifted out of the subnormals, ``losses.lift_fp16``)."""
+    lifted out of the subnormals, ``losses.lift_fp16``). An fp32 ``dw_dtype`` (a master weight)
+    makes grad_weight fp32 and its own accumulator."""
     need_dx, need_dw, need_db = needs
     n, h = hidden.shape
     v = weight.shape[0]
@@ -226,17 +227,17 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     dx_pass = next(p for p in passes if p.rows_grads) if need_dx or need_db else None
     dw_pass = next(p for p in passes if p.weight_grad) if need_dw else None
 
-    def gradient(shape, summed_over_blocks):
+    def gradient(shape, summed_over_blocks, out_dtype=dtype):
         """The gradient tensor, and where the products accumulate into it (fp32)."""
-        out = device.new(shape, dtype, where)
-        if summed_over_blocks and dtype != torch.float32:
+        out = device.new(shape, out_dtype, where)
+        if summed_over_blocks and out_dtype != torch.float32:
             return out, device.new(shape, torch.float32, where)
         return out, out
 
     grad_hidden = dx_acc = grad_weight = dw_acc = None
     first_borrowed_row = v
     if need_dw:
-        grad_weight, dw_acc = gradient((v, h), n > 0 and triton.cdiv(n, dw_pass.rows) > 1)
+        grad_weight, dw_acc = gradient((v, h), n > 0 and triton.cdiv(n, dw_pass.rows) > 1, dw_dtype or dtype)
         if n == 0:
             dw_acc.zero_()
     dx_lo = None
@@ -323,7 +324,7 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs) -> N
 
 
 def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, need_dx, need_dw, need_db,
-             shard=None, common=None, cfg=None):
+             shard=None, common=None, cfg=None, dw_dtype=None):
     """Recompute backward over blocks of the (N, V) plane, in one or two passes
     (``plan.plan_passes``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
@@ -340,19 +341,23 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     grad_hidden is summed over its group in fp32 (every rank gets the full grad_hidden); grad_weight
     and grad_bias are the shard's own.
     ``cfg``: the dlogits kernel's tiles, else the table's or, with autotuning on, the fastest for
-    this shape (``autotune.tiles``).
+    this shape (``autotune.tiles``). ``dw_dtype`` float32 (an fp32 master weight, ``weight`` its
+    16-bit copy): grad_weight is fp32, and the products sum into it directly, never rounded to 16
+    bits (a grad_weight summed over token blocks needs no other V x H buffer).
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
     n, h = hidden.shape
     v = weight.shape[0]
     needs = (need_dx, need_dw, need_db)
     if cfg is None:
         cfg = autotune.tiles("dlogits", hidden, v, lambda c: backward(
-            hidden, weight, targets, bias, class_weight, lse2, coef, opts, *needs, shard, common, cfg=c),
+            hidden, weight, targets, bias, class_weight, lse2, coef, opts, *needs, shard, common, cfg=c,
+            dw_dtype=dw_dtype),
             opts.chunk_bytes, shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts, *needs))
     passes = plan.plan_passes(n, v, h, hidden.dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
-                              need_dw, may_pair=shard is None and not need_db)
+                              need_dw, may_pair=shard is None and not need_db,
+                              fp32_weight_grad=dw_dtype == torch.float32 and hidden.dtype != torch.float32)
     borrowed = len(passes) == 1 and passes[0].borrowed and need_dx and need_dw and n > 0
-    coef, g = _allocate(hidden, weight, coef, class_weight, opts, passes, needs, borrowed, shard, common)
+    coef, g = _allocate(hidden, weight, coef, class_weight, opts, passes, needs, borrowed, shard, common, dw_dtype)
     dlogits_of = _Dlogits(hidden, weight, targets, bias, class_weight, lse2, coef, opts, shard, cfg)
     if borrowed:
         _borrowed_pass(dlogits_of, g, hidden, weight, passes[0].cols, need_db, shard)

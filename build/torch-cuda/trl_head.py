@@ -9,7 +9,6 @@ signature and docstrings only.
 
 import torch
 
-from .api import _autocast
 from .logprobs import fused_linear_logprobs
 
 # TRL's ``outputs`` default: the optional fields, log_probs being always computed.
@@ -24,7 +23,8 @@ def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, fi
     is_top1), None where not in ``outputs`` (log_probs always). The logits are
     ``softcap((hidden @ weight.T + bias) * logit_scale) / temperature``; the product runs in the
     autocast dtype under autocast, else in hidden's dtype (weight and bias are cast to it, with
-    their gradients flowing back in their own dtype). ``chunk_size`` (TRL passes 32768) is accepted
+    their gradients flowing back in their own dtype; an fp32 weight under a 16-bit autocast gets
+    its gradient summed in fp32, ``fused_linear_logprobs``). ``chunk_size`` (TRL passes 32768) is accepted
     and not used: the kernel tiles the vocabulary itself, and its memory knob is the default
     ``chunk_bytes``. log_probs and entropy carry gradients; the others do not."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -32,8 +32,7 @@ def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, fi
     if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
         weight = weight.to(hidden.dtype) if isinstance(weight, torch.Tensor) else weight
         bias = bias.to(hidden.dtype) if isinstance(bias, torch.Tensor) else bias
-    else:
-        hidden, weight, bias = _autocast(hidden, weight, bias)
+    # Under autocast, fused_linear_logprobs casts hidden and bias, and an fp32 weight inside the op.
     wanted = ("log_probs", *outputs)
     out = fused_linear_logprobs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
                                 softcap=final_logit_softcapping, outputs=wanted)

@@ -5,8 +5,8 @@ fp32 straight into the fp32 result: no 16-bit weight gradient, no V x H accumula
 
 Checked against float64 of the same rounded operands: the loss and the hidden gradient are those of
 casting the weight first (bit for bit: the same products in the same order); the weight gradient is
-at least as exact as the cast path's, and on the chunked path strictly more (one rounding of da, none
-of the sum). bf16 on CPU runs through the kernels' BF16_EMULATION switch (operands upcast to fp32
+strictly more exact than the cast path's on both paths (one rounding of da, none of the sum). The
+per-token function (``fused_linear_logprobs``) and TRL's drop-in take the same master weight. bf16 on CPU runs through the kernels' BF16_EMULATION switch (operands upcast to fp32
 before ``tl.dot``, exact; fp32 -> bf16 rounding to nearest even on the bits): see
 ``tests/kernel/test_bf16_emulation.py`` for why that cover is faithful. fp16 needs none.
 """
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import chunked, configs, fused_linear_cross_entropy
+from fused_linear_ce import ChunkedLogProbFunction, chunked, configs, fused_linear_cross_entropy, fused_linear_logprobs
+from fused_linear_ce import plan as plan_module
 
 MiB = 1 << 20
 N, H, V = 200, 48, 320
@@ -70,10 +71,8 @@ def test_fp32_weight_gradient_is_fp32_and_at_least_as_exact_as_casting_first(dty
         assert torch.equal(dx, dx_c)
     assert abs(loss.double() - ref_loss).item() < 1e-5
     err, err_cast = rel_err(dw, ref_dw), rel_err(dw_c, ref_dw)
-    if strategy == "recompute":  # a 16-bit gradient, then cast: the same bits as casting first
-        assert torch.equal(dw, dw_c)
-    else:  # da rounded once, the products summed in fp32 and never rounded to 16 bits
-        assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
+    # Both paths: da rounded once, the products summed in fp32 and never rounded to 16 bits.
+    assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
     assert rel_err(dx, ref_dx) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
 
 
@@ -182,3 +181,100 @@ def test_extra_memory_is_the_weight_copy_and_the_chunk():
     assert master <= copy + 160, f"{master - copy:.0f} MiB beyond the weight copy"
     # Not vacuous: a 16-bit weight gradient (125 MiB) or an fp32 V x H accumulator (250) would not fit.
     assert master < copy + v * h * 2 / MiB
+
+
+def _logprob_reference(hidden, weight, targets, dtype, bias=None):
+    """float64 per-token log-probs and entropy of the operands rounded to ``dtype``, and the
+    gradients of ``-sum(3 * log_probs) + sum(entropy)`` (per-row upstream gradients, not a mean)."""
+    h = hidden.to(dtype).double().requires_grad_(True)
+    w = weight.to(dtype).double().requires_grad_(True)
+    z = h @ w.T + (bias.to(dtype).double() if bias is not None else 0.0)
+    lp = torch.log_softmax(z, -1)
+    counted = targets != -100
+    log_probs = torch.where(counted, lp.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    entropy = torch.where(counted, -(lp.exp() * lp).sum(-1), 0.0)
+    (-(3 * log_probs).sum() + entropy.sum()).backward()
+    return log_probs.detach(), entropy.detach(), h.grad, w.grad
+
+
+def _run_logprobs(fn, hidden, weight, targets, dtype, cast_first, bias=None, **kwargs):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    b = bias.clone().requires_grad_(True) if bias is not None else None
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        out = fn(h, w.to(dtype) if cast_first else w, targets, b, **kwargs)
+    (-(3 * out["log_probs"]).sum() + out["entropy"].sum()).backward()
+    return out, h.grad, w.grad
+
+
+def _per_token(h, w, t, b, **kwargs):
+    return fused_linear_logprobs(h, w, t, b, outputs=("log_probs", "entropy"), **kwargs)
+
+
+def _trl(h, w, t, b, **kwargs):  # TRL's call contract (``trl_head``); chunk_size is TRL's and unused
+    lp, ent, *_ = ChunkedLogProbFunction.apply(h, w, b, t.clamp(min=0), 1.0, 32768, outputs=("entropy",))
+    counted = t != -100
+    return {"log_probs": torch.where(counted, lp, 0.0), "entropy": torch.where(counted, ent, 0.0)}
+
+
+# Per-token settings: the chunked path (exponentials kept, one chunk), the recompute path whole, and
+# the recompute path in blocks: bf16 pairs grad_hidden (vocabulary blocks, each grad_weight block
+# complete in one product); fp16, or bf16 with a bias gradient, takes the master weight's one pass
+# of token blocks, grad_weight summed over them in place in fp32 (``plan.plan_passes``).
+PER_TOKEN = {"chunked": dict(strategy="chunked"), "recompute": dict(strategy="recompute"),
+             "blocks": dict(strategy="recompute", chunk_bytes=64 * V * 2)}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("setting", PER_TOKEN)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_per_token_master_weight_gradient_is_fp32_and_more_exact(dtype, setting, bias):
+    """fused_linear_logprobs under autocast with an fp32 weight: the fields and the hidden gradient
+    are those of casting first (the same products); the weight gradient is fp32, summed without a
+    16-bit rounding, so strictly closer to float64."""
+    hidden, weight, targets = _problem()
+    b = 0.1 * torch.randn(V, generator=torch.Generator().manual_seed(5)).to(DEVICE) if bias else None
+    kwargs = PER_TOKEN[setting]
+    out, dx, dw = _run_logprobs(_per_token, hidden, weight, targets, dtype, False, b, **kwargs)
+    out_c, dx_c, dw_c = _run_logprobs(_per_token, hidden, weight, targets, dtype, True, b, **kwargs)
+    ref_lp, ref_ent, ref_dx, ref_dw = _logprob_reference(hidden, weight, targets, dtype, b)
+
+    assert dw.dtype == torch.float32
+    for name in ("log_probs", "entropy"):
+        assert torch.equal(out[name], out_c[name]), name
+    assert torch.equal(dx, dx_c)
+    assert rel_err(out["log_probs"], ref_lp) < 1e-5 and rel_err(out["entropy"], ref_ent) < 1e-5
+    err, err_cast = rel_err(dw, ref_dw), rel_err(dw_c, ref_dw)
+    assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
+    assert rel_err(dx, ref_dx) < (8e-3 if dtype == torch.bfloat16 else 1.5e-3)
+
+
+def test_master_token_plan_sums_grad_weight_over_token_blocks_in_place(monkeypatch):
+    """The fp16 "blocks" setting above runs the master weight's plan: one pass of several token
+    blocks of whole vocabulary rows, no other V x H buffer (spied on the planner's answer)."""
+    plans = []
+    original = plan_module.plan_passes
+
+    def spy(*args, **kwargs):
+        plans.append((kwargs.get("fp32_weight_grad"), original(*args, **kwargs)))
+        return plans[-1][1]
+
+    monkeypatch.setattr(plan_module, "plan_passes", spy)
+    hidden, weight, targets = _problem()
+    _run_logprobs(_per_token, hidden, weight, targets, torch.float16, False, **PER_TOKEN["blocks"])
+    ((fp32_grad, passes),) = plans
+    assert fp32_grad
+    (p,) = passes
+    assert p.cols == V and p.rows < N and not p.dw_accumulator and p.weight_grad and p.rows_grads
+
+
+def test_trl_drop_in_takes_the_master_weight():
+    """TRL's contract under autocast with an fp32 lm-head weight (a Trainer with bf16=True on an fp32
+    model): the same fields as casting first, an fp32 weight gradient closer to float64."""
+    hidden, weight, targets = _problem()
+    out, dx, dw = _run_logprobs(_trl, hidden, weight, targets, torch.bfloat16, False)
+    out_c, dx_c, dw_c = _run_logprobs(_trl, hidden, weight, targets, torch.bfloat16, True)
+    _, _, _, ref_dw = _logprob_reference(hidden, weight, targets, torch.bfloat16)
+    assert torch.equal(out["log_probs"], out_c["log_probs"]) and torch.equal(dx, dx_c)
+    assert dw.dtype == torch.float32
+    assert rel_err(dw, ref_dw) < 0.85 * rel_err(dw_c, ref_dw)

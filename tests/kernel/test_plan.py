@@ -150,3 +150,24 @@ def test_only_bf16_pairs_and_only_when_allowed(dtype):
     n, h, v = 65536, 4096, 128256
     assert not any(p.paired for p in configs.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True))
     assert not any(p.paired for p in _passes(n, h, v, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_fp32_master_weight_gradient_replaces_two_passes_with_token_blocks(dtype):
+    """An fp32 master weight's gradient is its own accumulator: where no fp32 accumulator fits, no
+    borrowing is possible and no pair is allowed (fp16; bf16 in a budget the remainder does not
+    leave room in), one pass of token blocks of whole vocabulary rows sums it in place: four
+    products in the budget, where a 16-bit weight takes two passes (five). The paired plan keeps
+    its place where it applies."""
+    n, h, v = 65536, 4096, 128256
+    budget = 256 << 20
+    for pair in (False, True):
+        plain = configs.plan_passes(n, v, h, dtype, budget, 128, 256, True, True, may_pair=pair)
+        assert len(plain) == 2
+        (master,) = configs.plan_passes(n, v, h, dtype, budget, 128, 256, True, True, may_pair=pair,
+                                        fp32_weight_grad=True)
+        assert master.cols == v and master.rows_grads and master.weight_grad and master.rows < n
+        assert not (master.dw_accumulator or master.dx_accumulator or master.paired or master.borrowed)
+        assert master.extra_bytes(n, v, h, dtype.itemsize) <= budget
+    (default,) = configs.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True, fp32_weight_grad=True)
+    assert default.paired == (dtype == torch.bfloat16)

@@ -100,8 +100,10 @@ def fused_linear_cross_entropy(
             inputs with V >= 2N, in one pass with the N x H accumulator in grad_weight's own memory;
             else, for bf16 without a bias gradient or a vocabulary shard (long context), in one pass
             with grad_hidden summed as a pair, itself and an int8 N x H remainder (within 512 MiB
-            when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096); else in two
-            passes without one (grad_hidden, then grad_weight: the logits are recomputed once more).
+            when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096); else, for an
+            fp32 master weight, in one pass of token blocks summing its fp32 gradient in place; else
+            in two passes without one (grad_hidden, then grad_weight: the logits are recomputed once
+            more).
             fp32 inputs accumulate in their own gradients. On the chunked path it bounds the buffer
             of one chunk of rows instead (plus, with several chunks, the int8 V x H remainder of a
             bf16 grad_weight). Larger means fewer, larger products; see the README for

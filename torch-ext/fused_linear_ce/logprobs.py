@@ -39,7 +39,9 @@ def fused_linear_logprobs(
 
     Args:
         hidden, weight, targets, bias: as ``fused_linear_cross_entropy`` (same dtypes, leading dims,
-            autocast, int32 targets, out-of-range targets give NaN).
+            autocast, int32 targets, out-of-range targets give NaN). An fp32 weight under a 16-bit
+            autocast is cast inside the op, not kept as a copy from the forward to the backward,
+            and its gradient is summed in fp32, never rounded to 16 bits.
         temperature: > 0; divides the logits AFTER the softcap (TRL's order), so with a softcap it is
             not the same as ``logit_scale = 1 / temperature``, which multiplies before it.
         logit_scale, softcap, ignore_index, shift, process_group: as ``fused_linear_cross_entropy``.
@@ -71,9 +73,10 @@ def fused_linear_logprobs(
     fields = _check_outputs(outputs)
     opts = Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction="none",
                    chunk_bytes=chunk_bytes, strategy=strategy, temperature=temperature, outputs=fields)
-    hidden, weight, bias = _autocast(hidden, weight, bias)
+    hidden, weight, bias = _autocast(hidden, weight, bias, keep_fp32_weight=True)
     check_flag("shift", shift)
-    check_inputs(hidden, weight, targets, bias, opts)
+    check_inputs(hidden, weight, targets, bias, opts,
+                 master_weight=isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type))
     if process_group is not None:
         check_process_group(process_group)
     lead = targets.shape

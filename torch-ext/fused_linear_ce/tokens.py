@@ -108,20 +108,24 @@ def token_forward(
     (N,), each empty (0,) unless requested (log_probs always); ``row`` (3, N) fp32 the row max,
     log-sum and target logit; with the chunked path (``keeps_exponentials``) ``exps`` the (N, V)
     exponentials and ``tile_max`` (T, N) their tiles' row maxima, else empty. ``outputs``: one bool
-    per FIELDS entry."""
+    per FIELDS entry. An fp32 ``weight`` with 16-bit ``hidden`` is a master weight
+    (``validate.is_master_weight``): cast here for the sweep, and again in the backward, whose
+    weight gradient is fp32."""
     opts = _options(scalars, ignore_index, has_softcap, _names(outputs), chunk_bytes, strategy)
     n, v = hidden.shape[0], weight.shape[0]
     shard = parallel.shard_for(group_id, v)
     sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
     empty = hidden.new_empty((0,), dtype=torch.float32)
     exps, tile_max = hidden.new_empty((0,)), empty
+    low = ops._low(weight, hidden)
     if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
         exps = device.new((n, v), hidden.dtype, hidden.device)
         cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1])
-        stats, tile_stats = sweep.sweep(hidden, weight, targets, bias, None, opts, shard, exps, cfg)
+        stats, tile_stats = sweep.sweep(hidden, low, targets, bias, None, opts, shard, exps, cfg)
         tile_max = tile_stats[0].clone()  # plane 0 of the per-tile statistics: each tile's row max
     else:
-        stats = sweep.forward(hidden, weight, targets, bias, None, opts, shard)
+        stats = sweep.forward(hidden, low, targets, bias, None, opts, shard)
+    del low
     fields = _fields(stats, targets, opts, shard.v_total if shard is not None else v)
     if sizes is not None:
         parallel.finish_size_check(sizes, shard)
@@ -176,14 +180,15 @@ def token_backward(
     scalars: torch.Tensor, ignore_index: int, has_softcap: bool, chunk_bytes: Optional[int], group_id: int,
     need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recompute backward: (grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed."""
+    """The recompute backward: (grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed;
+    grad_weight in weight's dtype (fp32 for a master weight, summed in fp32)."""
     opts = _options(scalars, ignore_index, has_softcap, (), chunk_bytes, "recompute")
     v = weight.shape[0]
     shard = parallel.shard_for(group_id, v)
     v_total = shard.v_total if shard is not None else v
     coef, common = coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
-    grads = recompute.backward(hidden, weight, targets, bias, None, row[:2], coef, opts, need_dx, need_dw, need_db,
-                               shard, common)
+    grads = recompute.backward(hidden, ops._low(weight, hidden), targets, bias, None, row[:2], coef, opts, need_dx,
+                               need_dw, need_db, shard, common, dw_dtype=weight.dtype)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
 
@@ -210,7 +215,8 @@ def token_backward_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked backward: the forward's exponentials become da in place (``chunked.gradient_in_place``),
     then grad_hidden = da @ weight and grad_weight = da^T @ hidden, each one product with fp32
-    accumulation and one rounding (``products.product``); grad_bias from the kernel's column sums."""
+    accumulation and one rounding (``products.product``; none for a master weight's fp32
+    grad_weight); grad_bias from the kernel's column sums."""
     opts = _options(scalars, ignore_index, has_softcap, (), None, "chunked")
     n, h = hidden.shape
     v = weight.shape[0]
@@ -228,12 +234,12 @@ def token_backward_chunked(
     grad_hidden, grad_weight, grad_bias = (hidden.new_empty((0,)) for _ in range(3))  # distinct outputs
     if need_dx:
         out = device.new((n, h), torch.float32 if shard is not None else dtype, where)
-        products.product(da, weight, out, False, unscale)
+        products.product(da, ops._low(weight, hidden), out, False, unscale)
         if shard is not None:
             parallel.all_reduce(out, shard)
         grad_hidden = out.to(dtype)
     if need_dw:
-        grad_weight = device.new((v, h), dtype, where)
+        grad_weight = device.new((v, h), weight.dtype, where)
         products.product(da.t(), hidden, grad_weight, False, unscale)
     if need_db:
         acc = torch.zeros((v,), dtype=torch.float32, device=where)
