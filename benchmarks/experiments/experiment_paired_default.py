@@ -14,6 +14,10 @@ side by side in one process:
   Prediction: per vocabulary block the pair moves 3 bytes an element of N x H each way, the fp32
   accumulator 4, and the paired blocks are as long; so paired-192M should be within noise of the
   default at S1-S3, at 3/4 of its memory.
+- ``budget``: the per-token path at S4 in larger budgets (``chunk_bytes`` 1-3 GiB: one pass with an
+  fp32 N x H accumulator of 1 GiB and da blocks of the rest) against the default (the paired plan in
+  512 MiB) and TRL's head (3.3 GiB). Prediction: at 2 GiB, 16 vocabulary blocks, the accumulator's
+  traffic ~7 ms, so ~4.2 matmul-times (~440 ms): TRL's time within its memory, as a setting.
 - ``master``: an fp32 lm-head weight under ``torch.autocast(bfloat16)`` (TRL's trainers with
   ``bf16=True`` on an fp32 model) on the per-token path: ours keeping the weight fp32 into the op,
   ours casting first (before), and TRL's head (which casts). ``extra_mib`` is above the inputs and
@@ -156,6 +160,27 @@ def paired_part(shape, dist, device, args, rows, t0, trl):
             lp_bench.free_memory(device)
 
 
+def budget_part(shape, dist, device, args, rows, t0, trl):
+    n, h, v = lp_bench.SHAPES[shape]
+    hidden, weight, targets = bench.make_data(n, h, v, dist, device, 0)
+    adv = torch.randn(n, generator=torch.Generator(device=device).manual_seed(1), device=device)
+    ref, _ = lp_bench.reference(hidden, weight, targets, adv)
+    variants = {"default": lp_bench.ours(fused_linear_logprobs)}
+    for b in args.large_budgets:
+        variants[f"chunk-{b}"] = lp_bench.ours(fused_linear_logprobs, chunk_bytes=parse_bytes(b))
+    if trl is not None:
+        variants["trl"] = lp_bench.trl_head(trl)
+    for workload in args.workloads:
+        for name, fn in variants.items():
+            row = dict(part="budget", shape=shape, dist=dist, workload=workload, method=name)
+            try:
+                row.update(lp_bench.measure(fn, workload, hidden, weight, targets, adv, ref, args.quick))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            record_row(rows, t0, row)
+            lp_bench.free_memory(device)
+
+
 def autocast(fn, cast_first=False):
     """``fn`` (a bench_logprobs call) under autocast(bf16), the weight cast first when asked."""
     def call(h, w, t, outputs, grad):
@@ -191,16 +216,18 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--paired-shapes", nargs="+", default=["S1", "S2", "S3"])
     ap.add_argument("--master-shapes", nargs="+", default=["S1", "S4"])
+    ap.add_argument("--budget-shapes", nargs="+", default=["S4"])
+    ap.add_argument("--large-budgets", type=lambda s: s.split(","), default=["1G", "2G", "3G"])
     ap.add_argument("--dists", nargs="+", default=["random"])
     ap.add_argument("--budgets", type=lambda s: s.split(","), default=["256M", "192M", "160M", "128M"])
     ap.add_argument("--workloads", nargs="+", default=["sft", "grpo"])
-    ap.add_argument("--parts", nargs="+", default=["paired", "master"])
+    ap.add_argument("--parts", nargs="+", default=["paired", "budget", "master"])
     ap.add_argument("--tiny", action="store_true", help="the tiny shape only, on the CPU interpreter")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
-        args.paired_shapes = args.master_shapes = ["tiny"]
+        args.paired_shapes = args.master_shapes = args.budget_shapes = ["tiny"]
         args.quick = True
     trl = trl_function()
     out_dir = Path(args.out)
@@ -208,7 +235,8 @@ def main():
     meta = dict(gpu=bench.gpu_name(device), **lp_bench.versions(),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), args=vars(args))
     rows, t0 = [], time.perf_counter()
-    parts = {"paired": (paired_part, args.paired_shapes), "master": (master_part, args.master_shapes)}
+    parts = {"paired": (paired_part, args.paired_shapes), "budget": (budget_part, args.budget_shapes),
+             "master": (master_part, args.master_shapes)}
     for part in args.parts:
         run, shapes = parts[part]
         for shape in shapes:
