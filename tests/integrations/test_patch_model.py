@@ -4,7 +4,8 @@ otherwise does exactly what the unpatched model does. Tiny random models (hidden
 real Trainer for 3 steps with gradient accumulation (Llama; Gemma-2 with its softcap and tied
 embeddings), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
 auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an accelerate hook on the
-head, generation, refusals; on a GPU, peak memory at a 32k vocabulary in bf16."""
+head, bf16 autocast over the fp32 model (the head's weight a master weight), generation, refusals; on
+a GPU, peak memory at a 32k vocabulary in bf16."""
 
 import copy
 import datetime
@@ -545,3 +546,29 @@ def test_per_token_fields_on_request_with_the_same_loss_and_gradients():
     torch.testing.assert_close(got["mean_token_accuracy"], expected["is_top1"][counted].float().mean())
     with pytest.raises(ValueError, match="unknown outputs"):
         patch_model(llama(), outputs=("perplexity",))
+
+
+@pytest.mark.parametrize("outputs", [(), ("log_probs", "entropy")], ids=["loss", "per-token"])
+def test_fp32_model_under_bf16_autocast_keeps_the_head_weight_fp32(outputs, monkeypatch):
+    """Trainer(bf16=True) on an fp32 model runs the forward under torch.autocast(bfloat16): the head's
+    fp32 weight reaches the kernel as it is, a master weight (cast inside the op, its gradient summed
+    in fp32 and never rounded to bf16: docs/design.md), for the loss and for the per-token fields; the
+    loss and every gradient agree with the unpatched model under the same autocast to bf16's
+    precision (the unpatched head rounds its logits and its weight gradient to bf16)."""
+    seen = []
+    for module in (fused_linear_ce.ops, fused_linear_ce.tokens):
+        def spy(hidden, weight, *args, _real=module.apply, **kwargs):
+            seen.append((hidden.dtype, weight.dtype))
+            return _real(hidden, weight, *args, **kwargs)
+
+        monkeypatch.setattr(module, "apply", spy)
+    theirs = llama()
+    ours = patch_model(copy.deepcopy(theirs), outputs=outputs)
+    ids, labels, mask = batch()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        want = step(theirs, ids, attention_mask=mask, labels=labels)
+        got = step(ours, ids, attention_mask=mask, labels=labels)
+    assert seen == [(torch.bfloat16, torch.float32)]
+    assert got.logits is None and ours.lm_head.weight.grad.dtype == torch.float32
+    assert rel_err(got.loss, want.loss) < 1e-2
+    assert_same_grads(theirs, ours, tol=5e-2)
