@@ -121,11 +121,16 @@ def test_master_gradient_accumulates_into_grad_and_refuses_a_second_backward():
         loss.backward()
 
 
-def test_compiles_without_a_graph_break_under_autocast():
+@pytest.mark.parametrize("per_token", [False, True], ids=["loss", "per-token"])
+def test_compiles_without_a_graph_break_under_autocast(per_token):
     hidden, weight, targets = _problem()
 
     def step(h, w):
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            if per_token:  # the recompute path in blocks (its exponentials do not fit the budget)
+                out = fused_linear_logprobs(h, w, targets, outputs=("log_probs", "entropy"),
+                                            chunk_bytes=SETTINGS["chunks"])
+                return -(3 * out["log_probs"]).sum() + out["entropy"].sum()
             return fused_linear_cross_entropy(h, w, targets, chunk_bytes=SETTINGS["chunks"])
 
     compiled = torch.compile(step, fullgraph=True)
