@@ -10,6 +10,7 @@ were slimmed; ``tests/kernel/test_registers.py`` keeps them at (nearly) none.
 Usage:
     python3 scripts/registers.py            # a table
     python3 scripts/registers.py --json     # one JSON list on stdout
+    python3 scripts/registers.py --matmul 128,256,64,8,8,3 128,128,64,8,4,3   # matmul candidates
 
 Runs the compiler, not the interpreter: TRITON_INTERPRET must be unset (this script refuses otherwise).
 """
@@ -105,6 +106,38 @@ def cases() -> list[Case]:
     ]
 
 
+# The matmul's uses, for ``--matmul``: (constexprs, A read through its transpose, c's and lo's dtypes).
+_MATMUL_USES = {
+    "plain": (dict(A_T=False), False, "*bf16", "bf16"),
+    "da^T": (dict(A_T=True), True, "*bf16", "bf16"),
+    "da^T, fp32 sum": (dict(A_T=True, ACCUMULATE=True), True, "*fp32", "bf16"),
+    "plain, C_TMA": (dict(A_T=False, C_TMA=True), False, "*bf16", "bf16"),
+    "da^T, C_TMA": (dict(A_T=True, C_TMA=True), True, "*bf16", "bf16"),
+    "da^T, fp32 sum, C_TMA": (dict(A_T=True, ACCUMULATE=True, C_TMA=True), True, "*fp32", "bf16"),
+    "da^T, compensated int8": (dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True), True, "*bf16", "i8"),
+    "compensated int8": (dict(A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True), False, "*bf16", "i8"),
+}
+
+
+def matmul_cases(spec: str) -> list[Case]:
+    """The matmul's uses (``_MATMUL_USES``) at a candidate config
+    ``block_m,block_p,block_k,group_m,num_warps,num_stages`` (``experiment_matmul_configs.py``)."""
+    bm, bp, bk, gm, warps, stages = (int(x) for x in spec.split(","))
+    base = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, GROUP_M=gm, EVEN_M=True,
+                EVEN_P=True, EVEN_K=True, BF16_EMULATION=False, INPUT_PRECISION="tf32", TMA=True, B_T=False,
+                COMPENSATED=False, C_TMA=False)
+    out = []
+    for use, (extra, a_t, c_dtype, lo_dtype) in _MATMUL_USES.items():
+        descs = dict(a_desc=(bk, bm) if a_t else (bm, bk), b_desc=(bk, bp))
+        if extra.get("C_TMA"):
+            descs.update(c_desc=(bm, bp))
+        if extra.get("COMPENSATED"):
+            descs.update(lo_desc=(bm, bp))
+        out.append(Case(f"matmul {bm}x{bp}x{bk} w{warps} s{stages}, {use}", "matmul_kernel", "products",
+                        dict(base, **extra), descs, warps, stages, c_dtype=c_dtype, lo_dtype=lo_dtype))
+    return out
+
+
 def _signature(fn, case: Case) -> dict:
     sig = {}
     for arg in fn.arg_names:
@@ -112,7 +145,8 @@ def _signature(fn, case: Case) -> dict:
             sig[arg] = "constexpr"
         elif arg in case.descriptors:
             rows, cols = case.descriptors[arg]
-            sig[arg] = f"tensordesc<{case.lo_dtype if arg == 'lo_desc' else 'bf16'}[{rows}, {cols}]>"
+            elem = case.lo_dtype if arg == "lo_desc" else case.c_dtype[1:] if arg == "c_desc" else "bf16"
+            sig[arg] = f"tensordesc<{elem}[{rows}, {cols}]>"
         elif arg.endswith("_desc"):  # a descriptor argument this configuration leaves unused
             sig[arg] = "*bf16"
         elif arg == "c_ptr":
@@ -161,6 +195,8 @@ def compile_case(case: Case, workdir: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--matmul", nargs="+", metavar="BM,BP,BK,GM,WARPS,STAGES",
+                    help="instead of the shipped kernels: the matmul's uses at these candidate configs")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("registers.py compiles for sm_90: unset TRITON_INTERPRET", file=sys.stderr)
@@ -168,7 +204,8 @@ def main(argv=None) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [compile_case(case, Path(tmp)) for case in cases()]
+        chosen = [c for spec in args.matmul for c in matmul_cases(spec)] if args.matmul else cases()
+        rows = [compile_case(case, Path(tmp)) for case in chosen]
     if args.json:
         print(json.dumps(rows))
     else:

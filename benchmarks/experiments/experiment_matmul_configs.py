@@ -7,7 +7,9 @@ products into the bf16 + int8 pair took 134 ms against 93 ms for the same FLOPs 
 an element and overlaps nothing, since no second program shares the SM. Prediction: a config whose
 programs fit two to an SM (128 x 128 tiles, 3 stages: 96 KB of operands) lets one program's
 epilogue run under the other's products, and closes most of the 41 ms; on the plain products it
-costs a little of the mainloop's rate.
+costs a little of the mainloop's rate. The result through a descriptor (``c_tma``) removes the
+epilogue's spills (below); it should matter most for the fp32 sum (an fp32 master weight's dW on
+the chunked path: 1696 bytes of stack in the shipped config).
 
 Each case is one product of the package's own shapes, run through ``products`` with
 ``configs.matmul_config`` patched to each candidate; cuBLAS (``torch.mm``, bf16 out) times the same
@@ -43,12 +45,20 @@ def timed(fn):
     fn()
     return (time.perf_counter() - t0) * 1e3
 
-# (block_m, block_p, block_k, group_m, num_warps, num_stages); the first is the shipped one.
+# (block_m, block_p, block_k, group_m, num_warps, num_stages[, tma, c_tma]); the first is the shipped
+# one. Offline sm_90 (``scripts/registers.py --matmul``): the shipped config's plain epilogue uses 255
+# registers and 88 bytes of stack, its fp32 sum (a master weight's dW) 1696 bytes; with the result
+# through a descriptor (c_tma) 154 / 181 registers and none. 128 x 128 tiles take 96 KB of shared
+# memory (two programs an SM); with 8 warps and c_tma 90-96 registers (two fit), the int8 pair 175
+# (one); with 4 warps the pair 255 + 104 bytes of stack (two fit).
 CANDIDATES = [
     (128, 256, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 3, True, True),
     (128, 256, 64, 8, 8, 4),
     (128, 128, 64, 8, 4, 3),
+    (128, 128, 64, 8, 4, 3, True, True),
     (128, 128, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 3, True, True),
     (128, 128, 64, 8, 4, 4),
     (128, 128, 128, 8, 8, 2),
     (256, 128, 64, 8, 8, 3),
@@ -125,7 +135,7 @@ def main():
         expected = None
         for spec in CANDIDATES:
             cfg = configs.MatmulConfig(*spec)
-            row = dict(case=name, config="x".join(map(str, spec)))
+            row = dict(case=name, config="x".join(map(str, spec[:6])) + (" c_tma" if spec[7:8] == (True,) else ""))
             try:
                 for t in outs:
                     t.zero_()
@@ -148,10 +158,10 @@ def main():
         del run, outs, a, b
         torch.cuda.empty_cache()
 
-    print(f"\n{'case':20} {'config':18} {'ms':>8} {'TFLOP/s':>8}")
+    print(f"\n{'case':20} {'config':24} {'ms':>8} {'TFLOP/s':>8}")
     for r in rows:
         tail = r["error"][:60] if "error" in r else f"{r['ms']:8.3f} {r['tflops']:8.1f}"
-        print(f"{r['case']:20} {r['config']:18} {tail}")
+        print(f"{r['case']:20} {r['config']:24} {tail}")
 
 
 if __name__ == "__main__":

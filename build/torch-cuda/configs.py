@@ -50,6 +50,10 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     tma: bool = True  # operands through TMA tensor descriptors where the layout allows (``tma_layout``)
+    # A plain (not compensated) result read and written through a descriptor too, where it is
+    # contiguous: no 2-D tile of pointers in the epilogue (``matmul_kernel``'s C_TMA). Off in the
+    # shipped configs until measured (``experiment_matmul_configs.py``).
+    c_tma: bool = False
 
 
 # Interpreter: every program runs in numpy, so fewer, larger tiles are faster; tl.dot needs >= 16.

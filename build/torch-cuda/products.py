@@ -98,7 +98,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     b_desc = _descriptor(b, cfg.block_k, cfg.block_p, b_t) if tma else b
     flags = device.dot_flags(a.dtype)
     c_tma = False
-    if lo is not None:
+    if lo is None:  # a plain result through a descriptor: the config's choice, contiguous buffers only
+        c_tma = (cfg.tma and cfg.c_tma and device.tma_hardware(c.device) and device.tma_layout(c)
+                 and c.is_contiguous())
+    else:
         # A bf16 result under the interpreter rounds through round_to's emulation (an fp16 hi's lo).
         flags["BF16_EMULATION"] = any(device.bf16_emulation(t.dtype) for t in (a, c, lo))
         # The pair through descriptors where the layouts allow: a 2-D tile of pointers spills.
@@ -108,7 +111,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         c_tma = (cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and device.tma_layout(lo) and c.is_contiguous() and lo.is_contiguous())
     c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_p]) if c_tma else c
-    lo_desc = TensorDescriptor.from_tensor(lo, [cfg.block_m, cfg.block_p]) if c_tma else c
+    lo_desc = TensorDescriptor.from_tensor(lo, [cfg.block_m, cfg.block_p]) if c_tma and lo is not None else c
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
         a, b, c, lo if lo is not None else c, unscale if unscale is not None else c, a_desc, b_desc,
@@ -305,10 +308,11 @@ def matmul_kernel(
     their vector width.
     COMPENSATED (``products.compensated``): C (16-bit) and LO a compensated pair: s = acc (+ C + LO
     when ACCUMULATE, C + LO first: exact in fp32 but for a remainder under 2^-24 of C), then
-    C = round(s), LO = round(s - C) (s - C exact; 0 where C overflowed to inf). C_TMA (with
-    COMPENSATED only): C and LO read and written through tensor descriptors, blocks past the edges
-    read as 0 and not written; a 2-D tile of pointers spills (offline sm_90, accumulating: 3128
-    bytes of stack against 0, ``scripts/registers.py``).
+    C = round(s), LO = round(s - C) (s - C exact; 0 where C overflowed to inf). C_TMA: C (and LO)
+    read and written through tensor descriptors, blocks past the edges read as 0 and not written;
+    a 2-D tile of pointers spills (offline sm_90, the pair accumulating: 3128 bytes of stack
+    against 0; a plain result 1168 in the shipped config, ``scripts/registers.py``). The pair
+    takes it wherever the layout allows, a plain result where the config's ``c_tma`` says.
     """
     pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -339,16 +343,15 @@ def matmul_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp
     mask = mask_m[:, None] & mask_p[None, :]
+    row0 = pid_m * BLOCK_M
+    col0 = pid_p * BLOCK_P
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr)
     if COMPENSATED:
         # s = (hi + lo) + acc: the old pair's sum is exact in fp32 (but for a remainder under 2^-24
         # of hi), so s is the pair's value plus acc rounded once.
         offs_c = offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp  # one offset tile for both
-        row0 = pid_m * BLOCK_M
-        col0 = pid_p * BLOCK_P
         if ACCUMULATE:
             if C_TMA:
                 hi_old = c_desc.load([row0, col0])
@@ -374,7 +377,12 @@ def matmul_kernel(
         else:
             tl.store(c_ptr + offs_c, hi, mask=mask)
             tl.store(lo_ptr + offs_c, lo, mask=mask)
+    elif C_TMA:  # rows and columns past the end are neither read nor written
+        if ACCUMULATE:
+            acc += c_desc.load([row0, col0]).to(tl.float32)
+        c_desc.store([row0, col0], round_to(acc, c_desc.dtype, BF16_EMULATION))
     else:
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp
         if ACCUMULATE:
             acc += tl.load(c_ptrs, mask=mask, other=0.0)
         tl.store(c_ptrs, round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)

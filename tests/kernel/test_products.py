@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, KernelSpy
 from fused_linear_ce import configs, fused_linear_cross_entropy, products
 
 FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
@@ -275,3 +275,36 @@ def test_few_tiles_counts_the_matmul_output_tiles_against_the_sms():
         tiles = -(-m // cfg.block_m) * -(-p // cfg.block_p)
         got = products.few_tiles(one.expand(m, 1000), one.expand(1000, p))
         assert got == (2 * tiles < sms)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["bf16-result", "fp32-sum"])
+def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, monkeypatch):
+    """A config with ``c_tma`` (off in the shipped ones) reads and writes a contiguous plain result
+    through a tensor descriptor (no 2-D tile of pointers in the epilogue): the same bits as the
+    pointer epilogue, ragged M and P past the block edges, nothing written outside the result (a
+    row slice of a larger buffer), and a non-contiguous result still through pointers."""
+    if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
+        pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
+    spy = KernelSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    a, b = _operands(100, 200, 88, torch.bfloat16, seed=7)
+    third = torch.tensor([1.0 / 3.0], device=DEVICE)
+    dtype = torch.float32 if accumulate else torch.bfloat16
+
+    def run(c_tma):
+        for name in ("_GPU_MATMUL", "_CPU_MATMUL"):
+            monkeypatch.setattr(configs, name, dataclasses.replace(getattr(configs, name), c_tma=c_tma))
+        buffer = torch.full((140, 88), 7.0, dtype=dtype, device=DEVICE)
+        out = buffer[20:120]  # rows 20..119: contiguous, its neighbours must stay 7
+        products.matmul(a, b, out, accumulate, third)
+        return buffer
+
+    by_pointers, by_descriptor = run(False), run(True)
+    assert [s["C_TMA"] for s in spy.launches] == [False, True]
+    assert torch.equal(by_descriptor, by_pointers)
+    assert (by_descriptor[:20] == 7).all() and (by_descriptor[120:] == 7).all()
+    want = (a.double() @ b.double()) / 3.0 + (7.0 if accumulate else 0.0)
+    assert ((by_descriptor[20:120].double() - want).abs() / (want.abs() + 1.0)).max() < 2.0**-7
+    strided = torch.empty(88, 100, dtype=dtype, device=DEVICE).t()  # not contiguous: pointers
+    products.matmul(a, b, strided, False, third)
+    assert spy.launches[-1]["C_TMA"] is False
