@@ -177,6 +177,47 @@ def test_per_token_outputs_on_vocabulary_shards_equal_the_whole(strategy):
     _spawn(_token_worker, 2, strategy)
 
 
+def _master_run(api, hidden, weight, targets, group=None):
+    """Under bf16 autocast with an fp32 weight (a master weight): the loss (auto: the chunked path,
+    which a master weight takes at any N) or the per-token log-probs and entropy on the recompute
+    path, and the gradients."""
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if api == "loss":
+            out = fused_linear_cross_entropy(h, w, targets, process_group=group)
+        else:
+            fields = fused_linear_logprobs(h, w, targets, outputs=("log_probs", "entropy"), process_group=group,
+                                           strategy="recompute")
+            out = (fields["entropy"] - 2 * fields["log_probs"]).sum()
+    out.backward()
+    return out.detach(), h.grad, w.grad
+
+
+def _master_worker(rank, world, port, api):
+    """An fp32 weight shard under bf16 autocast: the fp32 weight gradient of each shard, and the loss
+    and the all-reduced hidden gradient, as on the whole fp32 weight."""
+    _init(rank, world, port)
+    try:
+        hidden, weight, _, targets = make_inputs(Case(23, 40, 96, ignored=0.2), device="cpu")
+        shard = slice(rank * 96 // world, (rank + 1) * 96 // world)
+        full = _master_run(api, hidden, weight, targets)
+        part = _master_run(api, hidden, weight[shard].contiguous(), targets, group=dist.group.WORLD)
+        dist.barrier()
+        assert part[2].dtype == torch.float32
+        assert rel_err(part[0], full[0]) < 1e-5, "loss"
+        assert rel_err(part[1], full[1]) < 1e-2, "grad_hidden (bf16, full on every rank)"
+        assert rel_err(part[2], full[2][shard]) < 1e-2, "grad_weight shard (fp32)"
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _exit_cleanly()
+
+
+@pytest.mark.parametrize("api", ["loss", "per-token"])
+def test_an_fp32_master_weight_on_vocabulary_shards_equals_the_whole(api):
+    _spawn(_master_worker, 2, api)
+
+
 def _unequal_worker(rank, world, port):
     _init(rank, world, port)
     try:
