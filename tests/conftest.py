@@ -81,7 +81,7 @@ GPU_SECONDS = {
     "test_bf16_emulation.py": 2,
     "test_borrowed_accumulator.py": 15,
     "test_compensated.py": 10,  # 16 small matmul tests (a few compiles each)
-    "test_master_weight.py": 50,  # 29 small autocast cases (loss and per-token), two torch.compile, one GPU memory case
+    "test_master_weight.py": 50,  # 31 small autocast cases (loss and per-token), two torch.compile, one GPU memory case
     "test_correctness.py": 340,  # 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
     "test_determinism.py": 20,
     "test_examples.py": 120,  # trains the Llama example twice in a subprocess

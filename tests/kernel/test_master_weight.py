@@ -283,3 +283,34 @@ def test_trl_drop_in_takes_the_master_weight():
     assert torch.equal(out["log_probs"], out_c["log_probs"]) and torch.equal(dx, dx_c)
     assert dw.dtype == torch.float32
     assert rel_err(dw, ref_dw) < 0.85 * rel_err(dw_c, ref_dw)
+
+
+@pytest.mark.parametrize("api", ["loss-recompute", "per-token"])
+def test_no_16bit_weight_copy_is_held_from_the_forward_to_the_backward(api):
+    """What autograd keeps for the backward (``saved_tensors_hooks``): with a master weight the fp32
+    weight itself (no new memory), never a V x H 16-bit copy, which casting first keeps (autocast's
+    cast of an fp32 model's head: V x H x 2 bytes, 1 GiB at 128256 x 4096)."""
+    hidden, weight, targets = _problem()
+
+    def saved_weight_copies(cast_first):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        seen = []
+
+        def pack(t):
+            seen.append((t.shape, t.dtype))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                ww = w.to(torch.bfloat16) if cast_first else w
+                if api == "per-token":
+                    out = fused_linear_logprobs(h, ww, targets, outputs=("log_probs", "entropy"), strategy="recompute")
+                    loss = out["entropy"].sum() - out["log_probs"].sum()
+                else:
+                    loss = fused_linear_cross_entropy(h, ww, targets, strategy="recompute")
+        loss.backward()
+        assert w.grad.dtype == torch.float32
+        return [d for shape, d in seen if shape == (V, H)]
+
+    assert saved_weight_copies(cast_first=False) == [torch.float32]
+    assert torch.bfloat16 in saved_weight_copies(cast_first=True)  # not vacuous: the cast copy is kept
