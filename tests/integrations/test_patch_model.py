@@ -4,7 +4,8 @@ otherwise does exactly what the unpatched model does. Tiny random models (hidden
 real Trainer for 3 steps with gradient accumulation (Llama; Gemma-2 with its softcap and tied
 embeddings), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
 auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an accelerate hook on the
-head, bf16 autocast over the fp32 model (the head's weight a master weight), generation, refusals; on
+head, bf16 autocast over the fp32 model (the head's weight a master weight; with FSDP2 too), generation,
+refusals; on
 a GPU, peak memory at a 32k vocabulary in bf16."""
 
 import copy
@@ -426,6 +427,39 @@ def test_fsdp2_root_unit_gives_plain_weights_in_the_forward(gloo_mesh, monkeypat
     fully_shard(alone.lm_head, mesh=gloo_mesh)
     with pytest.raises(ValueError, match="FSDP unit of its own"):
         patch_model(alone)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU/gloo test (Triton interpreter)")
+def test_fsdp2_with_fp32_parameters_under_bf16_autocast_hands_the_kernel_a_master_weight(gloo_mesh, monkeypatch):
+    """FSDP2 over fp32 parameters (no param_dtype: the master weights are the parameters) with the
+    forward under bf16 autocast: inside the root's forward the lm head's unsharded weight is a plain
+    fp32 tensor, which the kernel takes as a master weight (gradient summed in fp32); the sharded
+    parameters get fp32 gradients that agree with the unpatched model's to bf16's precision."""
+    from torch.distributed.fsdp import fully_shard
+
+    seen = []
+    real = fused_linear_ce.ops.apply
+
+    def spy(hidden, weight, *args, **kwargs):
+        seen.append((type(weight).__name__ == "DTensor", hidden.dtype, weight.dtype))
+        return real(hidden, weight, *args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_ce.ops, "apply", spy)
+    theirs = llama()
+    ours = copy.deepcopy(theirs)
+    for layer in ours.model.layers:
+        fully_shard(layer, mesh=gloo_mesh)
+    fully_shard(ours, mesh=gloo_mesh)
+    patch_model(ours)
+    ids, labels, mask = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
+        got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
+    assert seen == [(False, torch.bfloat16, torch.float32)]
+    assert rel_err(got.loss, want.loss) < 1e-2
+    grad = ours.lm_head.weight.grad
+    assert type(grad).__name__ == "DTensor" and grad.dtype == torch.float32
+    assert_same_grads(theirs, ours, tol=5e-2)
 
 
 # --- untouched without labels, unpatching, refusals ---------------------------------------------------------------------
