@@ -5,8 +5,7 @@ real Trainer for 3 steps with gradient accumulation (Llama; Gemma-2 with its sof
 embeddings), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
 auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an accelerate hook on the
 head, bf16 autocast over the fp32 model (the head's weight a master weight; with FSDP2 too), generation,
-refusals; on
-a GPU, peak memory at a 32k vocabulary in bf16."""
+refusals; on a GPU, peak memory at a 32k vocabulary in bf16."""
 
 import copy
 import datetime
