@@ -2,7 +2,7 @@
 otherwise does exactly what the unpatched model does. Tiny random models (hidden 32, vocabulary 128,
 2 layers, 16 tokens), fp32, the patched model against an unpatched copy from the same weights: the
 real Trainer for 3 steps with gradient accumulation (Llama; Gemma-2 with its softcap and tied
-embeddings), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
+embeddings; Llama with bf16=True), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
 auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an accelerate hook on the
 head, bf16 autocast over the fp32 model (the head's weight a master weight; with FSDP2 too), generation,
 refusals; on a GPU, peak memory at a 32k vocabulary in bf16."""
@@ -131,7 +131,7 @@ def same_steps(theirs, ours, ids, mask, labels, counts):
     return want, got
 
 
-def train(model, tmp_path, steps=3):
+def train(model, tmp_path, steps=3, bf16=False):
     """3 optimizer steps of transformers.Trainer with 2 micro-batches each: the per-micro-batch losses,
     the accumulated gradients before each optimizer step, what the forward returned. Plain SGD: Adam
     divides by the root of the squared gradient, which turns roundoff in gradients near zero into
@@ -155,7 +155,7 @@ def train(model, tmp_path, steps=3):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
         optim="sgd", learning_rate=0.5, logging_steps=1, report_to=[], save_strategy="no", use_cpu=not ON_GPU, seed=0,
-        data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        data_seed=0, dataloader_num_workers=0, disable_tqdm=True, bf16=bf16,
     )
     trainer = Recording(model=model, args=args, train_dataset=_Rows(), callbacks=[Grads()])
     trainer.train()
@@ -185,6 +185,31 @@ def test_trainer_steps_give_the_unpatched_losses_and_gradients(make, tmp_path):
         with torch.no_grad():
             capped = patch_model(gemma2())(input_ids=ids, attention_mask=mask, labels=labels).loss
             assert abs(uncapped(input_ids=ids, attention_mask=mask, labels=labels).loss - capped) > 0.1
+
+
+def test_trainer_with_bf16_on_an_fp32_model_sums_the_head_gradient_in_fp32(tmp_path, monkeypatch):
+    """Trainer(bf16=True) on an fp32 model (its forward under bf16 autocast): the kernel gets the head's
+    fp32 weight as a master weight on every micro-batch, and the losses and accumulated gradients
+    follow the unpatched model's to bf16's precision (its head rounds logits and gradients to bf16)."""
+    seen = []
+    real = fused_linear_ce.ops.apply
+
+    def spy(hidden, weight, *args, **kwargs):
+        seen.append((hidden.dtype, weight.dtype))
+        return real(hidden, weight, *args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_ce.ops, "apply", spy)
+    theirs, ours = pair(llama)
+    want = train(theirs, tmp_path / "plain", steps=2, bf16=True)
+    got = train(ours, tmp_path / "patched", steps=2, bf16=True)
+    assert seen == [(torch.bfloat16, torch.float32)] * 4
+    assert all(lg is None for lg in got["logits"])
+    for a, b in zip(got["loss"], want["loss"]):
+        assert rel_err(a, b.float()) < 1e-2
+    for g_ours, g_theirs in zip(got["grads"], want["grads"]):
+        assert g_ours["lm_head.weight"].dtype == torch.float32
+        for name in g_theirs:
+            assert rel_err(g_ours[name], g_theirs[name]) < 5e-2, name
 
 
 # --- what the model's forward does with labels ------------------------------------------------------------
