@@ -84,10 +84,12 @@ def forced_plan(kind, budget):
 
 
 def per_token_variants(budgets, with_trl):
+    """The default call, the recompute path with each forced plan (``measure_variants``), TRL's head."""
     out = {"default": lp_bench.ours(fused_linear_logprobs)}
+    recompute = lp_bench.ours(fused_linear_logprobs, strategy="recompute")
     for b in budgets:
         for kind in ("paired", "borrowed"):
-            out[f"{kind}-{b}"] = (kind, parse_bytes(b))
+            out[f"{kind}-{b}"] = (recompute, (kind, parse_bytes(b)))
     if with_trl is not None:
         out["trl"] = lp_bench.trl_head(with_trl)
     return out
@@ -115,10 +117,37 @@ def record_row(rows, t0, row):
     print(f"[{time.perf_counter() - t0:5.0f}s] {shown}", flush=True)
 
 
-def paired_part(shape, dist, device, args, rows, t0, trl):
+def per_token_data(shape, dist, device):
+    """bf16 inputs of ``shape``, the GRPO advantages and ``bench_logprobs``' float64 references."""
     n, h, v = lp_bench.SHAPES[shape]
     hidden, weight, targets = bench.make_data(n, h, v, dist, device, 0)
     adv = torch.randn(n, generator=torch.Generator(device=device).manual_seed(1), device=device)
+    ref, _ = lp_bench.reference(hidden, weight, targets, adv)
+    return hidden, weight, targets, adv, ref
+
+
+def measure_variants(labels, variants, hidden, weight, targets, adv, ref, args, rows, t0):
+    """One ``bench_logprobs.measure`` row per workload and variant (an exception is a row's error).
+    A variant is a call, or (call, (kind, budget)): the call with the planner forced for the whole
+    row (``timed_forced``)."""
+    for workload in args.workloads:
+        for name, fn in variants.items():
+            row = dict(labels, workload=workload, method=name)
+            try:
+                if isinstance(fn, tuple):
+                    got, row["forced_cols"] = timed_forced(*fn[1], lp_bench.measure, fn[0], workload, hidden, weight,
+                                                           targets, adv, ref, args.quick)
+                else:
+                    got = lp_bench.measure(fn, workload, hidden, weight, targets, adv, ref, args.quick)
+                row.update(got)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            record_row(rows, t0, row)
+            lp_bench.free_memory(hidden.device)
+
+
+def paired_part(shape, dist, device, args, rows, t0, trl):
+    hidden, weight, targets, adv, token_ref = per_token_data(shape, dist, device)
     labels = dict(part="paired", shape=shape, dist=dist)
     # The loss.
     ref = bench.reference_and_stats(hidden, weight, targets, "ieee")[:3]
@@ -143,42 +172,19 @@ def paired_part(shape, dist, device, args, rows, t0, trl):
         lp_bench.free_memory(device)
     del ref
     # The per-token workloads.
-    ref, _ = lp_bench.reference(hidden, weight, targets, adv)
-    for workload in args.workloads:
-        for name, fn in per_token_variants(args.budgets, trl).items():
-            row = dict(labels, workload=workload, method=name)
-            try:
-                if isinstance(fn, tuple):
-                    got, row["forced_cols"] = timed_forced(*fn, lp_bench.measure, lp_bench.ours(fused_linear_logprobs, strategy="recompute"),
-                                                           workload, hidden, weight, targets, adv, ref, args.quick)
-                else:
-                    got = lp_bench.measure(fn, workload, hidden, weight, targets, adv, ref, args.quick)
-                row.update(got)
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            record_row(rows, t0, row)
-            lp_bench.free_memory(device)
+    measure_variants(labels, per_token_variants(args.budgets, trl), hidden, weight, targets, adv, token_ref, args,
+                     rows, t0)
 
 
 def budget_part(shape, dist, device, args, rows, t0, trl):
-    n, h, v = lp_bench.SHAPES[shape]
-    hidden, weight, targets = bench.make_data(n, h, v, dist, device, 0)
-    adv = torch.randn(n, generator=torch.Generator(device=device).manual_seed(1), device=device)
-    ref, _ = lp_bench.reference(hidden, weight, targets, adv)
+    hidden, weight, targets, adv, ref = per_token_data(shape, dist, device)
     variants = {"default": lp_bench.ours(fused_linear_logprobs)}
     for b in args.large_budgets:
         variants[f"chunk-{b}"] = lp_bench.ours(fused_linear_logprobs, chunk_bytes=parse_bytes(b))
     if trl is not None:
         variants["trl"] = lp_bench.trl_head(trl)
-    for workload in args.workloads:
-        for name, fn in variants.items():
-            row = dict(part="budget", shape=shape, dist=dist, workload=workload, method=name)
-            try:
-                row.update(lp_bench.measure(fn, workload, hidden, weight, targets, adv, ref, args.quick))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            record_row(rows, t0, row)
-            lp_bench.free_memory(device)
+    measure_variants(dict(part="budget", shape=shape, dist=dist), variants, hidden, weight, targets, adv, ref, args,
+                     rows, t0)
 
 
 def autocast(fn, cast_first=False):
@@ -190,25 +196,15 @@ def autocast(fn, cast_first=False):
 
 
 def master_part(shape, dist, device, args, rows, t0, trl):
-    n, h, v = lp_bench.SHAPES[shape]
-    hidden16, weight16, targets = bench.make_data(n, h, v, dist, device, 0)
-    adv = torch.randn(n, generator=torch.Generator(device=device).manual_seed(1), device=device)
-    ref, _ = lp_bench.reference(hidden16, weight16, targets, adv)
+    hidden16, weight16, targets, adv, ref = per_token_data(shape, dist, device)
     hidden, weight = hidden16.float(), weight16.float()  # an fp32 model: fp32 states and head
     del hidden16, weight16
     ours = lp_bench.ours(fused_linear_logprobs)
     variants = {"flce-master": autocast(ours), "flce-cast-first": autocast(ours, cast_first=True)}
     if trl is not None:
         variants["trl"] = autocast(lp_bench.trl_head(trl))
-    for workload in args.workloads:
-        for name, fn in variants.items():
-            row = dict(part="master", shape=shape, dist=dist, workload=workload, method=name)
-            try:
-                row.update(lp_bench.measure(fn, workload, hidden, weight, targets, adv, ref, args.quick))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            record_row(rows, t0, row)
-            lp_bench.free_memory(device)
+    measure_variants(dict(part="master", shape=shape, dist=dist), variants, hidden, weight, targets, adv, ref, args,
+                     rows, t0)
 
 
 def main():
