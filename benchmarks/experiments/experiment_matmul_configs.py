@@ -125,7 +125,8 @@ def main():
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", **versions(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    meta = dict(gpu=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", **versions(),
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 candidates=CANDIDATES, scale=args.scale)
     rows, t0 = [], time.perf_counter()
     for name, setup in cases(args.scale).items():

@@ -163,8 +163,8 @@ def paired_part(shape, dist, device, args, rows, t0, trl):
             if force is None:
                 got, _ = bench.measure(loss_fn, hidden, weight, targets, ref, args.quick)
             else:
-                (got, _), row["forced_cols"] = timed_forced(*force, bench.measure, recompute_fn, hidden, weight, targets,
-                                                            ref, args.quick)
+                (got, _), row["forced_cols"] = timed_forced(*force, bench.measure, recompute_fn, hidden, weight,
+                                                            targets, ref, args.quick)
             row.update(got)
         except Exception as exc:  # a row, not a crash
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -249,7 +249,8 @@ def main():
             print(f"{lead} {r['error'][:70]}")
             continue
         print(f"{lead} {bench.fmt(r.get('fwdbwd_ms'), '10.2f')} {bench.fmt(r.get('extra_mib'), '9.0f')} "
-              f"{bench.fmt(r.get('dx_rel'), '8.1e')} {bench.fmt(r.get('dw_rel'), '8.1e')} {r.get('forced_cols', '')!s:>6}")
+              f"{bench.fmt(r.get('dx_rel'), '8.1e')} {bench.fmt(r.get('dw_rel'), '8.1e')} "
+              f"{r.get('forced_cols', '')!s:>6}")
 
 
 if __name__ == "__main__":

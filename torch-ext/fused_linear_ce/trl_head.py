@@ -24,9 +24,9 @@ def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, fi
     ``softcap((hidden @ weight.T + bias) * logit_scale) / temperature``; the product runs in the
     autocast dtype under autocast, else in hidden's dtype (weight and bias are cast to it, with
     their gradients flowing back in their own dtype; an fp32 weight under a 16-bit autocast gets
-    its gradient summed in fp32, ``fused_linear_logprobs``). ``chunk_size`` (TRL passes 32768) is accepted
-    and not used: the kernel tiles the vocabulary itself, and its memory knob is the default
-    ``chunk_bytes``. log_probs and entropy carry gradients; the others do not."""
+    its gradient summed in fp32, ``fused_linear_logprobs``). ``chunk_size`` (TRL passes 32768) is
+    accepted and not used: the kernel tiles the vocabulary itself, and its memory knob is the
+    default ``chunk_bytes``. log_probs and entropy carry gradients; the others do not."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
