@@ -2,10 +2,10 @@
 otherwise does exactly what the unpatched model does. Tiny random models (hidden 32, vocabulary 128,
 2 layers, 16 tokens), fp32, the patched model against an unpatched copy from the same weights: the
 real Trainer for 3 steps with gradient accumulation (Llama; Gemma-2 with its softcap and tied
-embeddings; Llama with bf16=True), shift_labels, ignore_index, a bias, logit transforms read from the forward, Mixtral's
-auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an accelerate hook on the
-head, bf16 autocast over the fp32 model (the head's weight a master weight; with FSDP2 too), generation,
-refusals; on a GPU, peak memory at a 32k vocabulary in bf16."""
+embeddings; Llama with bf16=True), shift_labels, ignore_index, a bias, logit transforms read from the
+forward, Mixtral's auxiliary loss, PEFT LoRA, DTensor weights and FSDP2 on a 1-rank gloo mesh, an
+accelerate hook on the head, bf16 autocast over the fp32 model (the head's weight a master weight;
+with FSDP2 too), generation, refusals; on a GPU, peak memory at a 32k vocabulary in bf16."""
 
 import copy
 import datetime
@@ -117,6 +117,19 @@ class _Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
+def kernel_inputs(monkeypatch):
+    """Records (hidden dtype, weight dtype, whether the weight is a DTensor) of every call that reaches
+    the kernel's ops (the loss's and the per-token function's), in order."""
+    seen = []
+    for module in (fused_linear_ce.ops, fused_linear_ce.tokens):
+        def spy(hidden, weight, *args, _real=module.apply, **kwargs):
+            seen.append((hidden.dtype, weight.dtype, type(weight).__name__ == "DTensor"))
+            return _real(hidden, weight, *args, **kwargs)
+
+        monkeypatch.setattr(module, "apply", spy)
+    return seen
+
+
 def same_steps(theirs, ours, ids, mask, labels, counts):
     """One step of each model per ``num_items_in_batch`` in ``counts`` (None: not passed), from zeroed
     gradients: the same loss and gradients every time. Returns the last (unpatched, patched) outputs."""
@@ -191,18 +204,11 @@ def test_trainer_with_bf16_on_an_fp32_model_sums_the_head_gradient_in_fp32(tmp_p
     """Trainer(bf16=True) on an fp32 model (its forward under bf16 autocast): the kernel gets the head's
     fp32 weight as a master weight on every micro-batch, and the losses and accumulated gradients
     follow the unpatched model's to bf16's precision (its head rounds logits and gradients to bf16)."""
-    seen = []
-    real = fused_linear_ce.ops.apply
-
-    def spy(hidden, weight, *args, **kwargs):
-        seen.append((hidden.dtype, weight.dtype))
-        return real(hidden, weight, *args, **kwargs)
-
-    monkeypatch.setattr(fused_linear_ce.ops, "apply", spy)
+    seen = kernel_inputs(monkeypatch)
     theirs, ours = pair(llama)
     want = train(theirs, tmp_path / "plain", steps=2, bf16=True)
     got = train(ours, tmp_path / "patched", steps=2, bf16=True)
-    assert seen == [(torch.bfloat16, torch.float32)] * 4
+    assert seen == [(torch.bfloat16, torch.float32, False)] * 4
     assert all(lg is None for lg in got["logits"])
     for a, b in zip(got["loss"], want["loss"]):
         assert rel_err(a, b.float()) < 1e-2
@@ -461,14 +467,7 @@ def test_fsdp2_with_fp32_parameters_under_bf16_autocast_hands_the_kernel_a_maste
     parameters get fp32 gradients that agree with the unpatched model's to bf16's precision."""
     from torch.distributed.fsdp import fully_shard
 
-    seen = []
-    real = fused_linear_ce.ops.apply
-
-    def spy(hidden, weight, *args, **kwargs):
-        seen.append((type(weight).__name__ == "DTensor", hidden.dtype, weight.dtype))
-        return real(hidden, weight, *args, **kwargs)
-
-    monkeypatch.setattr(fused_linear_ce.ops, "apply", spy)
+    seen = kernel_inputs(monkeypatch)
     theirs = llama()
     ours = copy.deepcopy(theirs)
     for layer in ours.model.layers:
@@ -479,7 +478,7 @@ def test_fsdp2_with_fp32_parameters_under_bf16_autocast_hands_the_kernel_a_maste
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = step(theirs, input_ids=ids, attention_mask=mask, labels=labels)
         got = step(ours, input_ids=ids, attention_mask=mask, labels=labels)
-    assert seen == [(False, torch.bfloat16, torch.float32)]
+    assert seen == [(torch.bfloat16, torch.float32, False)]
     assert rel_err(got.loss, want.loss) < 1e-2
     grad = ours.lm_head.weight.grad
     assert type(grad).__name__ == "DTensor" and grad.dtype == torch.float32
@@ -613,20 +612,14 @@ def test_fp32_model_under_bf16_autocast_keeps_the_head_weight_fp32(outputs, monk
     in fp32 and never rounded to bf16: docs/design.md), for the loss and for the per-token fields; the
     loss and every gradient agree with the unpatched model under the same autocast to bf16's
     precision (the unpatched head rounds its logits and its weight gradient to bf16)."""
-    seen = []
-    for module in (fused_linear_ce.ops, fused_linear_ce.tokens):
-        def spy(hidden, weight, *args, _real=module.apply, **kwargs):
-            seen.append((hidden.dtype, weight.dtype))
-            return _real(hidden, weight, *args, **kwargs)
-
-        monkeypatch.setattr(module, "apply", spy)
+    seen = kernel_inputs(monkeypatch)
     theirs = llama()
     ours = patch_model(copy.deepcopy(theirs), outputs=outputs)
     ids, labels, mask = batch()
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         want = step(theirs, ids, attention_mask=mask, labels=labels)
         got = step(ours, ids, attention_mask=mask, labels=labels)
-    assert seen == [(torch.bfloat16, torch.float32)]
+    assert seen == [(torch.bfloat16, torch.float32, False)]
     assert got.logits is None and ours.lm_head.weight.grad.dtype == torch.float32
     assert rel_err(got.loss, want.loss) < 1e-2
     assert_same_grads(theirs, ours, tol=5e-2)

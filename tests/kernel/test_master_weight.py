@@ -6,9 +6,10 @@ fp32 straight into the fp32 result: no 16-bit weight gradient, no V x H accumula
 Checked against float64 of the same rounded operands: the loss and the hidden gradient are those of
 casting the weight first (bit for bit: the same products in the same order); the weight gradient is
 strictly more exact than the cast path's on both paths (one rounding of da, none of the sum). The
-per-token function (``fused_linear_logprobs``) and TRL's drop-in take the same master weight. bf16 on CPU runs through the kernels' BF16_EMULATION switch (operands upcast to fp32
-before ``tl.dot``, exact; fp32 -> bf16 rounding to nearest even on the bits): see
-``tests/kernel/test_bf16_emulation.py`` for why that cover is faithful. fp16 needs none.
+per-token function (``fused_linear_logprobs``) and TRL's drop-in take the same master weight. bf16
+on CPU runs through the kernels' BF16_EMULATION switch (operands upcast to fp32 before ``tl.dot``,
+exact; fp32 -> bf16 rounding to nearest even on the bits): see ``tests/kernel/test_bf16_emulation.py``
+for why that cover is faithful. fp16 needs none.
 """
 
 import pytest
