@@ -66,7 +66,10 @@ def cases() -> list[Case]:
                        e_desc=(chunked.block_n, chunked.block_v))
     matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
                   GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
-                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=False)
+                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma)
+    # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
+    # strided one always through pointers ("matmul, pointers").
+    c_desc = dict(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
     return [
         Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
         Case("sweep, ragged V", "lse_sweep_kernel", "sweep", dict(forward, EVEN_V=False), descs,
@@ -89,8 +92,15 @@ def cases() -> list[Case]:
         Case("dlogits, entropy gradient", "dlogits_kernel", "recompute", dict(backward, ENTROPY_GRAD=True,
              HAS_BIAS=False, BIAS_GRAD=False), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
         Case("matmul, da^T", "matmul_kernel", "products", dict(matmul, A_T=True),
-             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
+             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), **c_desc), mm.num_warps,
+             mm.num_stages),
         Case("matmul", "matmul_kernel", "products", dict(matmul, A_T=False),
+             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), **c_desc), mm.num_warps,
+             mm.num_stages),
+        Case("matmul, da^T, fp32 sum", "matmul_kernel", "products", dict(matmul, A_T=True, ACCUMULATE=True),
+             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), **c_desc), mm.num_warps,
+             mm.num_stages, c_dtype="*fp32"),
+        Case("matmul, pointers", "matmul_kernel", "products", dict(matmul, A_T=False, C_TMA=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
         Case("matmul, da^T, compensated", "matmul_kernel", "products",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
@@ -101,7 +111,7 @@ def cases() -> list[Case]:
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
                   lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
         Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
-             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True),
+             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
     ]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, KernelSpy
-from fused_linear_ce import device, products
+from fused_linear_ce import configs, device, products
 
 BITS = {torch.bfloat16: 8, torch.float16: 11}  # significand bits, the implicit one included
 SUBNORMAL_QUANTUM = {torch.bfloat16: -149, torch.float16: -24}  # log2 of the smallest step
@@ -271,7 +271,8 @@ def test_mismatched_buffers_are_refused():
 
 
 def test_a_plain_matmul_launches_as_before(monkeypatch):
-    """Without lo the matmul's launches are the plain ones: COMPENSATED and C_TMA off."""
+    """Without lo the matmul's launches are the plain ones: COMPENSATED off, and the contiguous result
+    through a descriptor exactly where the config's ``c_tma`` and the hardware say."""
     spy = KernelSpy(products.matmul_kernel)
     monkeypatch.setattr(products, "matmul_kernel", spy)
     monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile: as if it filled the GPU
@@ -280,7 +281,9 @@ def test_a_plain_matmul_launches_as_before(monkeypatch):
     out = torch.zeros(16, 16, dtype=torch.float32, device=DEVICE)
     products.matmul(a, b, out, True)
     products.product(a, b, torch.empty(16, 16, dtype=torch.bfloat16, device=DEVICE), False)
-    assert [(s["COMPENSATED"], s["C_TMA"]) for s in spy.launches] == [(False, False)] * 2
+    c_tma = (ON_GPU and configs.matmul_config(torch.bfloat16).c_tma
+             and configs.tma_hardware(torch.device(DEVICE)))
+    assert [(s["COMPENSATED"], s["C_TMA"]) for s in spy.launches] == [(False, c_tma)] * 2
     assert (out == 32).all()
     if not ON_GPU:
         assert spy.launches[0]["BF16_EMULATION"]

@@ -279,7 +279,7 @@ def test_few_tiles_counts_the_matmul_output_tiles_against_the_sms():
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["bf16-result", "fp32-sum"])
 def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, monkeypatch):
-    """A config with ``c_tma`` (off in the shipped ones) reads and writes a contiguous plain result
+    """A config with ``c_tma`` (the shipped 16-bit one) reads and writes a contiguous plain result
     through a tensor descriptor (no 2-D tile of pointers in the epilogue): the same bits as the
     pointer epilogue, ragged M and P past the block edges, nothing written outside the result (a
     row slice of a larger buffer), and a non-contiguous result still through pointers."""
@@ -308,3 +308,4 @@ def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, m
     strided = torch.empty(88, 100, dtype=dtype, device=DEVICE).t()  # not contiguous: pointers
     products.matmul(a, b, strided, False, third)
     assert spy.launches[-1]["C_TMA"] is False
+

@@ -51,8 +51,7 @@ class MatmulConfig:
     num_stages: int
     tma: bool = True  # operands through TMA tensor descriptors where the layout allows (``tma_layout``)
     # A plain (not compensated) result read and written through a descriptor too, where it is
-    # contiguous: no 2-D tile of pointers in the epilogue (``matmul_kernel``'s C_TMA). Off in the
-    # shipped configs until measured (``experiment_matmul_configs.py``).
+    # contiguous: no 2-D tile of pointers in the epilogue (``matmul_kernel``'s C_TMA).
     c_tma: bool = False
 
 
@@ -82,7 +81,12 @@ _GPU_DLOGITS = _GPU_SWEEP
 # The Triton matmul (products with a factor in the epilogue): TMA loads reach cuBLAS's rate where
 # pointer loads took 1.23x (H200, S1 grad_weight blocks, M=4096 K=8192 P=4096: 0.38 ms against 0.47,
 # cuBLAS 0.38). fp32 keeps pointer loads, as the fp32 sweep.
-_GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# The contiguous plain result through a descriptor (c_tma): H200, S4's 3840-row chunk, a master
+# weight's fp32 dW sum 7.22 -> 6.79 ms, the bf16 dX and S1's dW unchanged (6.06 / 6.04, 12.49 / 12.48
+# ms); no spills where the pointer epilogue spilled 88 bytes (1696 for the fp32 sum). The same tiles
+# with two programs an SM (128 x 128, 4 warps) were 1-24% slower on all but the paired plan's dX
+# (2.28 against 2.37 ms; NOTES v20).
+_GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3,
                                 tma=False)
 
