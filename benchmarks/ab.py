@@ -33,7 +33,8 @@ from bench import gpu_name, make_data, reference_and_stats, rel, versions  # noq
 import fused_linear_ce  # noqa: E402
 
 MiB = 1 << 20
-SHAPES = {"S1": (8192, 4096, 128256), "S2": (4096, 2304, 256000), "S3": (16384, 2048, 151936)}
+SHAPES = {"S1": (8192, 4096, 128256), "S2": (4096, 2304, 256000), "S3": (16384, 2048, 151936),
+          "S4": (65536, 4096, 128256)}
 SETTINGS = {
     "eval": None,
     "default": dict(),

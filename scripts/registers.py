@@ -52,6 +52,7 @@ def cases() -> list[Case]:
     from fused_linear_ce import configs
 
     sweep, chunked, mm = configs._GPU_SWEEP, configs._GPU_CHUNKED_SWEEP, configs._GPU_MATMUL
+    pr = configs._GPU_MATMUL_PAIRED_ROWS
     dlogits = configs._GPU_DLOGITS
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=True)
@@ -110,6 +111,11 @@ def cases() -> list[Case]:
              dict(matmul, A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
                   lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
+        Case("matmul, paired rows", "matmul_kernel", "products",
+             dict(matmul, BLOCK_M=pr.block_m, BLOCK_P=pr.block_p, BLOCK_K=pr.block_k, GROUP_M=pr.group_m, A_T=False,
+                  ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
+             dict(a_desc=(pr.block_m, pr.block_k), b_desc=(pr.block_k, pr.block_p), c_desc=(pr.block_m, pr.block_p),
+                  lo_desc=(pr.block_m, pr.block_p)), pr.num_warps, pr.num_stages, lo_dtype="i8"),
         Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),

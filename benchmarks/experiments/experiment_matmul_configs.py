@@ -117,7 +117,7 @@ def cases(scale):
 
 def with_config(cfg, fn):
     original = configs.matmul_config
-    configs.matmul_config = lambda dtype: cfg
+    configs.matmul_config = lambda dtype, role="product": cfg
     try:
         return fn()
     finally:

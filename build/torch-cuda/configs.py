@@ -87,6 +87,12 @@ _GPU_DLOGITS = _GPU_SWEEP
 # with two programs an SM (128 x 128, 4 warps) were 1-24% slower on all but the paired plan's dX
 # (2.28 against 2.37 ms; NOTES v20).
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True)
+# The paired plan's grad_hidden product (N x block columns x H into the bf16 + int8 pair: a K loop of
+# only the block's columns, then 3 + 3 bytes an element of epilogue): 128 x 128 tiles with 4 warps,
+# two programs an SM, so that one's epilogue runs beside the other's products. H200, S4's 2048-column
+# block: 2.28 / 2.16 ms against 2.37 / 2.35 for the shared config (two runs; cuBLAS into bf16 1.62).
+_GPU_MATMUL_PAIRED_ROWS = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=4, num_stages=3,
+                                       c_tma=True)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3,
                                 tma=False)
 
@@ -158,7 +164,12 @@ def dlogits_config(dtype: torch.dtype, *, h: int | None = None) -> TileConfig:
     return tiles("dlogits", dtype, h)
 
 
-def matmul_config(dtype: torch.dtype) -> MatmulConfig:
+def matmul_config(dtype: torch.dtype, *, role: str = "product") -> MatmulConfig:
+    """The Triton matmul's config for ``dtype``. ``role="paired_rows"``: the recompute path's paired
+    plan's grad_hidden product (``BackwardPlan.paired``: all N rows by one vocabulary block into the
+    bf16 + int8 pair), which has its own 16-bit config."""
     if device.interpreted():
         return _CPU_MATMUL
-    return _GPU_MATMUL_FP32 if dtype == torch.float32 else _GPU_MATMUL
+    if dtype == torch.float32:
+        return _GPU_MATMUL_FP32
+    return _GPU_MATMUL_PAIRED_ROWS if role == "paired_rows" else _GPU_MATMUL

@@ -78,19 +78,19 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None,
-           lo: torch.Tensor | None = None) -> None:
+           lo: torch.Tensor | None = None, role: str = "product") -> None:
     """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
     strides; ``unscale`` an optional fp32 (1,) device tensor. The operands load through TMA
     descriptors where the config, the GPU and both layouts allow it, else through pointers.
 
     With ``lo`` (a 16-bit buffer with c's shape and strides; ``compensated``): c and lo are a
     compensated pair, s = (a @ b) * unscale (+ c + lo) split into c = s rounded and lo = the rest
-    rounded."""
+    rounded. ``role``: ``configs.matmul_config``'s."""
     m, k = a.shape
     p = b.shape[1]
     if m == 0 or p == 0:
         return
-    cfg = configs.matmul_config(a.dtype)
+    cfg = configs.matmul_config(a.dtype, role=role)
     layouts = _tma_layouts(a, b, cfg)
     tma = layouts is not None
     a_t, b_t = layouts if tma else (False, False)
@@ -143,7 +143,7 @@ def compensation_buffer(hi: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -
 
 
 def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, accumulate: bool,
-                unscale=None) -> None:
+                unscale=None, role: str = "product") -> None:
     """A compensated sum of products into a pair of 16-bit buffers, in place of an fp32 accumulator:
     s = (a @ b) [* unscale] (+ hi + lo when ``accumulate``), in fp32 in ``matmul_kernel``'s epilogue
     (the product summed in fp32, the factor applied first, then the old pair added, hi + lo first:
@@ -169,7 +169,7 @@ def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Te
     if lo.shape != hi.shape or lo.stride() != hi.stride():
         raise ValueError(f"compensated: lo {tuple(lo.shape)} strides {lo.stride()} must match hi "
                          f"{tuple(hi.shape)} strides {hi.stride()}")
-    matmul(a, b, hi, accumulate, unscale, lo=lo)
+    matmul(a, b, hi, accumulate, unscale, lo=lo, role=role)
 
 
 def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:

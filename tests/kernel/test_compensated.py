@@ -354,9 +354,9 @@ def test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair(monkeypatch):
     calls = []
     original = products.compensated
 
-    def spy(a, b, hi, lo, accumulate, unscale=None):
-        calls.append((lo.dtype, accumulate, b.shape[0]))
-        return original(a, b, hi, lo, accumulate, unscale)
+    def spy(a, b, hi, lo, accumulate, unscale=None, role="product"):
+        calls.append((lo.dtype, accumulate, b.shape[0], role))
+        return original(a, b, hi, lo, accumulate, unscale, role)
 
     def grads(chunk_bytes):
         x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -365,7 +365,7 @@ def test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair(monkeypatch):
 
     monkeypatch.setattr(products, "compensated", spy)
     dx, dw = grads(200000)
-    assert calls == [(torch.int8, False, 256), (torch.int8, True, 244)]
+    assert calls == [(torch.int8, False, 256, "paired_rows"), (torch.int8, True, 244, "paired_rows")]
     calls.clear()
     dx_fp32, dw_fp32 = grads(4 * n * h * 2 + n * 256 * 2)  # the N x H fp32 accumulator in half the budget
     assert calls == []
@@ -379,6 +379,33 @@ def test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair(monkeypatch):
     one_ulp = _ulps_size(dx_fp32)
     row_scale = dx_fp32.double().abs().amax(dim=1, keepdim=True).cpu()
     assert (diff <= torch.maximum(one_ulp, 2.0**-13 * row_scale)).all()
+
+
+def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
+    """The paired plan's grad_hidden product has its own tiles on the GPU (``configs.matmul_config``'s
+    "paired_rows": 128 x 128, 4 warps); each output's K reduction runs in the same steps whatever the
+    tile, so the pair holds the same bits as with the shared config, ragged edges included. On the
+    interpreter both roles are the one CPU config (the launch records say so)."""
+    spy = KernelSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    g = torch.Generator().manual_seed(3)
+    m, k, p = (1000, 300, 700) if ON_GPU else (200, 72, 150)
+    a = (1e-2 * torch.randn(m, k, generator=g)).bfloat16().to(DEVICE)
+    b = torch.randn(k, p, generator=g).bfloat16().to(DEVICE)
+    start = torch.randn(m, p, generator=g).bfloat16().to(DEVICE)
+    unscale = torch.tensor([0.75], device=DEVICE)
+    pairs = []
+    for role in ("product", "paired_rows"):
+        hi = start.clone()
+        lo = products.compensation_buffer(hi, torch.int8)
+        products.compensated(a, b, hi, lo, True, unscale, role=role)
+        products.compensated(a, b, hi, lo, True, unscale, role=role)
+        pairs.append((hi, lo))
+    assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+    tiles = [(launch["BLOCK_M"], launch["BLOCK_P"]) for launch in spy.launches]
+    want = configs.matmul_config(torch.bfloat16, role="paired_rows")
+    assert tiles[2:] == [(want.block_m, want.block_p)] * 2
+    assert (tiles[0] != tiles[2]) == ON_GPU
 
 
 def _ulps_size(t: torch.Tensor) -> torch.Tensor:

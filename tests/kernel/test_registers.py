@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 40, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
         "dlogits, bias gradient": 96, "matmul, da^T, compensated": 0, "matmul, compensated int8": 104,
-        "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 88}
+        "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 88,
+        "matmul, paired rows": 104}
 
 
 @pytest.fixture(scope="module")

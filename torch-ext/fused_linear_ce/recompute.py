@@ -308,7 +308,8 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs) -> N
                 if p_dx and not p.weight_grad:  # whole vocabulary rows: each row's gradient at once
                     products.rows_product(da, weight, g.dx_acc[row0 : row0 + r], g.unscale)
                 elif p_dx and p.paired:  # all N rows; the pair carries the sum across the blocks
-                    products.compensated(da, weight[col0 : col0 + c], g.grad_hidden, g.dx_lo, col0 > 0, g.unscale)
+                    products.compensated(da, weight[col0 : col0 + c], g.grad_hidden, g.dx_lo, col0 > 0, g.unscale,
+                                         role="paired_rows")
                 elif p_dx and g.dx_deferred:
                     products.accumulate(da, weight[col0 : col0 + c], g.dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:
