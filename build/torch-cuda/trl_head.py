@@ -10,9 +10,27 @@ signature and docstrings only.
 import torch
 
 from .logprobs import fused_linear_logprobs
+from .plan import DEFAULT_CHUNK_BYTES
 
 # TRL's ``outputs`` default: the optional fields, log_probs being always computed.
 TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# The drop-in's largest memory budget. It stands where TRL's head held its chunk's logits and their
+# gradient (3285 MiB above the inputs at 65536 x 4096 x 128256, bf16, H200), so by default it spends
+# up to 2 GiB where that buys time: an fp32 (N, H) accumulator and a da block as large (8 N H bytes),
+# one pass of 16 vocabulary blocks at H = 4096. Measured there: SFT 445 ms at 2050 MiB against TRL's
+# 447 ms and the package default's 493 ms at 514 MiB (benchmarks/results/paired/, NOTES v20).
+TRL_MAX_CHUNK_BYTES = 2 << 30
+
+
+def trl_chunk_bytes(hidden) -> int | None:
+    """The drop-in's default ``chunk_bytes`` for ``hidden`` (..., H): the package default
+    (DEFAULT_CHUNK_BYTES) or 8 N H bytes (the recompute backward's fp32 (N, H) accumulator in half the
+    budget), whichever is larger, at most TRL_MAX_CHUNK_BYTES. At N H <= 32 Mi (8192 x 4096,
+    16384 x 2048) it is the package default. None for a non-tensor (the op's checks report it)."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        return None
+    n_h = hidden.numel()
+    return max(DEFAULT_CHUNK_BYTES, min(8 * n_h, TRL_MAX_CHUNK_BYTES))
 
 
 def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -25,17 +43,27 @@ def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, fi
     autocast dtype under autocast, else in hidden's dtype (weight and bias are cast to it, with
     their gradients flowing back in their own dtype; an fp32 weight under a 16-bit autocast gets
     its gradient summed in fp32, ``fused_linear_logprobs``). ``chunk_size`` (TRL passes 32768) is
-    accepted and not used: the kernel tiles the vocabulary itself, and its memory knob is the
-    default ``chunk_bytes``. log_probs and entropy carry gradients; the others do not."""
+    accepted and not used: the kernel tiles the vocabulary itself. Its memory budget is
+    ``trl_chunk_bytes(hidden)`` (``use_in_trl(chunk_bytes=)`` sets another). log_probs and entropy
+    carry gradients; the others do not."""
+    return _log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+                      outputs, None)
+
+
+def _log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs,
+               chunk_bytes):
+    """``chunked_log_probs`` with a memory budget: ``chunk_bytes``, or ``trl_chunk_bytes`` when None."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_bytes is None:
+        chunk_bytes = trl_chunk_bytes(hidden)
     if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
         weight = weight.to(hidden.dtype) if isinstance(weight, torch.Tensor) else weight
         bias = bias.to(hidden.dtype) if isinstance(bias, torch.Tensor) else bias
     # Under autocast, fused_linear_logprobs casts hidden and bias, and an fp32 weight inside the op.
     wanted = ("log_probs", *outputs)
     out = fused_linear_logprobs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
-                                softcap=final_logit_softcapping, outputs=wanted)
+                                softcap=final_logit_softcapping, outputs=wanted, chunk_bytes=chunk_bytes)
     return tuple(out.get(name) for name in ("log_probs", *TRL_OUTPUTS))
 
 
@@ -45,11 +73,18 @@ class ChunkedLogProbFunction:
     apply = staticmethod(chunked_log_probs)
 
 
-def use_in_trl():
+def use_in_trl(*, chunk_bytes=None):
     """Makes TRL's fused LM head (``add_fused_lm_head``, every trainer's loss head) compute its
     per-token fields with this kernel, for every model patched from now on and those already patched.
-    Returns what it replaced (assign it back to undo). Raises RuntimeError when the installed TRL
-    does not have the head this replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``)."""
+    ``chunk_bytes``: the kernel's memory budget (``fused_linear_logprobs``'s knob); None:
+    ``trl_chunk_bytes`` (the package default up to 16384 x 2048 or 8192 x 4096 tokens x hidden, up to
+    2 GiB beyond). Returns what it replaced (assign it back to undo). Raises RuntimeError when the
+    installed TRL does not have the head this replaces (TRL 1.16's
+    ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad ``chunk_bytes``."""
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
+                                    or chunk_bytes < 1):
+        raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {chunk_bytes!r}")
+    head = ChunkedLogProbFunction if chunk_bytes is None else _head_with_budget(chunk_bytes)
     try:
         import trl.trainer.utils as trl_utils
     except ImportError as exc:
@@ -60,8 +95,20 @@ def use_in_trl():
         raise RuntimeError(f"TRL {trl.__version__} has no trl.trainer.utils._ChunkedLogProbFunction to replace; "
                            "this drop-in follows TRL 1.16's fused LM head")
     previous = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = head
     return previous
 
 
-__all__ = ["ChunkedLogProbFunction", "chunked_log_probs", "use_in_trl"]
+def _head_with_budget(chunk_bytes: int):
+    """A ``ChunkedLogProbFunction`` whose ``apply`` (TRL's contract) runs within ``chunk_bytes``."""
+
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
+              outputs=TRL_OUTPUTS):
+        return _log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                          logit_scale, outputs, chunk_bytes)
+
+    return type("ChunkedLogProbFunction", (), {"apply": staticmethod(apply), "__doc__": ChunkedLogProbFunction.__doc__,
+                                               "chunk_bytes": chunk_bytes})
+
+
+__all__ = ["ChunkedLogProbFunction", "chunked_log_probs", "trl_chunk_bytes", "use_in_trl"]

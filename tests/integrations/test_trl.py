@@ -145,3 +145,55 @@ def test_sfttrainer_with_the_switch_matches_trls_own_head(tmp_path, ours):
         for key in ("loss", "mean_token_accuracy", "entropy"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), (key, mine, theirs)
     assert fused_logs[-1]["loss"] < fused_logs[0]["loss"]
+
+
+def test_the_drop_in_budget_is_the_default_until_long_context_then_at_most_2_gib():
+    """``trl_head.trl_chunk_bytes``: the package default (256 MiB) up to N H = 32 Mi, then 8 N H bytes
+    (an fp32 (N, H) accumulator in half the budget), at most 2 GiB; any leading dims."""
+    budget = fused_linear_ce.trl_head.trl_chunk_bytes
+    mib = 1 << 20
+
+    def rows(*shape):
+        return torch.empty(*shape, device="meta")
+
+    assert budget(rows(8192, 4096)) == budget(rows(16384, 2048)) == budget(rows(8192, 2304)) == 256 * mib
+    assert budget(rows(12, 32)) == 256 * mib
+    assert budget(rows(32768, 4096)) == budget(rows(4, 8192, 4096)) == 1024 * mib
+    assert budget(rows(65536, 4096)) == budget(rows(131072, 4096)) == 2048 * mib
+    assert budget("not a tensor") is None
+
+
+def test_the_drop_in_runs_within_its_budget_and_use_in_trl_sets_another(monkeypatch):
+    """``chunked_log_probs`` hands ``fused_linear_logprobs`` the budget ``trl_chunk_bytes`` gives, and the
+    head that ``use_in_trl(chunk_bytes=)`` installs (TRL's contract, its call signature) hands it that
+    one; a bad budget is refused before anything is installed; the fields do not depend on it."""
+    seen = []
+    real = fused_linear_ce.trl_head.fused_linear_logprobs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["chunk_bytes"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_ce.trl_head, "fused_linear_logprobs", spy)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", trl_utils._ChunkedLogProbFunction)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, 32, generator=g).to(DEVICE)
+    weight = torch.randn(VOCAB, 32, generator=g).to(DEVICE)
+    targets = torch.randint(0, VOCAB, (40,), generator=g).to(DEVICE)
+    by_default = fused_linear_ce.ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.9, 32768)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        fused_linear_ce.use_in_trl(chunk_bytes=0)
+    assert trl_utils._ChunkedLogProbFunction is not fused_linear_ce.ChunkedLogProbFunction
+    small = 40 * 16 * 4  # blocks of 16 vocabulary columns
+    previous = fused_linear_ce.use_in_trl(chunk_bytes=small)
+    head = trl_utils._ChunkedLogProbFunction
+    assert previous is not head and head.chunk_bytes == small
+    theirs = list(inspect.signature(trl.kernels.ChunkedLogProbFunction.forward).parameters.values())[1:]
+    assert [p.name for p in inspect.signature(head.apply).parameters.values()] == [p.name for p in theirs]
+    in_blocks = head.apply(hidden, weight, None, targets, 0.9, 32768)
+    assert seen == [fused_linear_ce.trl_head.trl_chunk_bytes(hidden), small]
+    assert seen[0] == 256 << 20
+    for mine, want in zip(in_blocks, by_default):
+        assert torch.equal(mine, want)
+    fused_linear_ce.use_in_trl()
+    assert trl_utils._ChunkedLogProbFunction is fused_linear_ce.ChunkedLogProbFunction
