@@ -11,6 +11,7 @@ import torch
 
 from .logprobs import fused_linear_logprobs
 from .plan import DEFAULT_CHUNK_BYTES
+from .validate import check_chunk_bytes
 
 # TRL's ``outputs`` default: the optional fields, log_probs being always computed.
 TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -81,9 +82,7 @@ def use_in_trl(*, chunk_bytes=None):
     2 GiB beyond). Returns what it replaced (assign it back to undo). Raises RuntimeError when the
     installed TRL does not have the head this replaces (TRL 1.16's
     ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad ``chunk_bytes``."""
-    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
-                                    or chunk_bytes < 1):
-        raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {chunk_bytes!r}")
+    check_chunk_bytes(chunk_bytes)
     head = ChunkedLogProbFunction if chunk_bytes is None else _head_with_budget(chunk_bytes)
     try:
         import trl.trainer.utils as trl_utils

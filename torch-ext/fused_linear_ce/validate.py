@@ -72,6 +72,12 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
 
 
+def check_chunk_bytes(value) -> None:
+    """The memory knob: None (the default budget) or a positive int of bytes."""
+    if value is not None and (not _is_int(value) or value < 1):
+        raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {value!r}")
+
+
 def check_flag(name: str, value) -> None:
     """A bool option must be a bool: ``shift=2`` or ``return_metrics="no"`` is a mistake, not True."""
     if not isinstance(value, bool):
@@ -210,8 +216,7 @@ def check_options(opts: Options) -> None:
         raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
     if not (_is_real(opts.temperature) and opts.temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {opts.temperature!r}")
-    if opts.chunk_bytes is not None and (not _is_int(opts.chunk_bytes) or opts.chunk_bytes < 1):
-        raise ValueError(f"chunk_bytes must be None or a positive int (bytes), got {opts.chunk_bytes!r}")
+    check_chunk_bytes(opts.chunk_bytes)
     if opts.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {opts.strategy!r}")
     # The per-token outputs (``outputs``) have their own chunked path and rules (tokens.chunked_unsupported).
