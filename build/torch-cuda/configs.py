@@ -85,7 +85,7 @@ _GPU_DLOGITS = _GPU_SWEEP
 # weight's fp32 dW sum 7.22 -> 6.79 ms, the bf16 dX and S1's dW unchanged (6.06 / 6.04, 12.49 / 12.48
 # ms); no spills where the pointer epilogue spilled 88 bytes (1696 for the fp32 sum). The same tiles
 # with two programs an SM (128 x 128, 4 warps) were 1-24% slower on all but the paired plan's dX
-# (2.28 against 2.37 ms; NOTES v20).
+# (2.28 against 2.37 ms; benchmarks/results/matmul/).
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True)
 # The paired plan's grad_hidden product (N x block columns x H into the bf16 + int8 pair: a K loop of
 # only the block's columns, then 3 + 3 bytes an element of epilogue): 128 x 128 tiles with 4 warps,

@@ -19,7 +19,7 @@ TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # gradient (3285 MiB above the inputs at 65536 x 4096 x 128256, bf16, H200), so by default it spends
 # up to 2 GiB where that buys time: an fp32 (N, H) accumulator and a da block as large (8 N H bytes),
 # one pass of 16 vocabulary blocks at H = 4096. Measured there: SFT 445 ms at 2050 MiB against TRL's
-# 447 ms and the package default's 493 ms at 514 MiB (benchmarks/results/paired/, NOTES v20).
+# 447 ms and the package default's 493 ms at 514 MiB (benchmarks/results/paired/).
 TRL_MAX_CHUNK_BYTES = 2 << 30
 
 
