@@ -14,8 +14,9 @@ descriptor (the shipped config's ``c_tma``, NOTES v20): 0, also for an fp32 sum 
 ignored row blocks (NOTES v15: the evaluation forward at S3, whose V is ragged, measured 1.4% slower;
 at S1 within the spread), and the dlogits kernel with the bias gradient at 96 (1168 before v15,
 whose reshaped epilogue took it down to 80; 96 since the temperature's two float arguments, softcap_out
-and grad_scale, NOTES v17; not timed). Reported, not held: the per-token cases (the sweep with every
-field: 0; the dlogits kernel with the entropy gradient: ~400). The compensated matmul (a grad_weight
+and grad_scale, NOTES v17; not timed). The per-token cases are held at 0: the sweep with every field,
+and the dlogits kernel with the entropy gradient (~400 while its epilogue kept the tiles of z and p
+both live; written in log p, 0, NOTES v21). The compensated matmul (a grad_weight
 summed into a pair of 16-bit buffers, ``products.compensated``) reads and writes the pair through
 tensor descriptors: held at 0, where its pointer epilogue (two 2-D tiles of 16-bit loads and stores)
 spills ~3100 bytes, reported. With an int8 remainder (the recompute path's long-context
@@ -35,7 +36,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 40, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
         "dlogits, bias gradient": 96, "matmul, da^T, compensated": 0, "matmul, compensated int8": 104,
         "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 88,
-        "matmul, paired rows": 104}
+        "matmul, paired rows": 104, "sweep, every per-token field": 0, "dlogits, entropy gradient": 0}
 
 
 @pytest.fixture(scope="module")

@@ -115,10 +115,13 @@ def dlogits_kernel(
     in_tile = (target >= tile_col0) & (target < tile_col0 + BLOCK_V)
     target_col = tl.where(in_tile, target - tile_col0, -1).to(tl.int32)
 
-    p = tl.exp((z - row_max[:, None]) - log_sum[:, None])
-    if ENTROPY_GRAD:  # (A - E (z - S)) p: the entropy's gradient with the log-prob's
+    log_p = (z - row_max[:, None]) - log_sum[:, None]
+    p = tl.exp(log_p)
+    if ENTROPY_GRAD:  # (A - E (z - S)) p: the entropy's gradient with the log-prob's, written as
+        # (A - E (lse - S) - E log p) p so that z is dead once p is formed (without a softcap): as
+        # A - E (z - S) it kept both tiles live and spilled ~400 bytes (scripts/registers.py).
         s_row = tl.load(coef_ptr + 4 * N + rows)
-        a = coef_a[:, None] - coef_e[:, None] * (z - s_row[:, None])
+        a = (coef_a - coef_e * ((row_max + log_sum) - s_row))[:, None] - coef_e[:, None] * log_p
         d = tl.where((coef_a[:, None] == 0.0) & (coef_e[:, None] == 0.0), 0.0, a * p)
     else:
         d = tl.where(coef_a[:, None] == 0.0, 0.0, coef_a[:, None] * p)
