@@ -67,7 +67,7 @@ def cases() -> list[Case]:
                        e_desc=(chunked.block_n, chunked.block_v))
     matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
                   GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
-                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma)
+                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma, SPLIT_PAIR=False)
     # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
     # strided one always through pointers ("matmul, pointers").
     c_desc = dict(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
@@ -116,6 +116,19 @@ def cases() -> list[Case]:
                   ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
              dict(a_desc=(pr.block_m, pr.block_k), b_desc=(pr.block_k, pr.block_p), c_desc=(pr.block_m, pr.block_p),
                   lo_desc=(pr.block_m, pr.block_p)), pr.num_warps, pr.num_stages, lo_dtype="i8"),
+        Case("matmul, paired rows, split", "matmul_kernel", "products",
+             dict(matmul, BLOCK_M=pr.block_m, BLOCK_P=pr.block_p, BLOCK_K=pr.block_k, GROUP_M=pr.group_m, A_T=False,
+                  ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
+             dict(a_desc=(pr.block_m, pr.block_k), b_desc=(pr.block_k, pr.block_p), c_desc=(pr.block_m, pr.block_p // 2),
+                  lo_desc=(pr.block_m, pr.block_p // 2)), pr.num_warps, pr.num_stages, lo_dtype="i8"),
+        Case("matmul, compensated int8, split", "matmul_kernel", "products",
+             dict(matmul, A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
+             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p // 2),
+                  lo_desc=(mm.block_m, mm.block_p // 2)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
+        Case("matmul, da^T, compensated int8, split", "matmul_kernel", "products",
+             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
+             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p // 2),
+                  lo_desc=(mm.block_m, mm.block_p // 2)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
         Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
@@ -132,6 +145,10 @@ _MATMUL_USES = {
     "da^T, fp32 sum, C_TMA": (dict(A_T=True, ACCUMULATE=True, C_TMA=True), True, "*fp32", "bf16"),
     "da^T, compensated int8": (dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True), True, "*bf16", "i8"),
     "compensated int8": (dict(A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True), False, "*bf16", "i8"),
+    "da^T, compensated int8, split": (dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
+                                      True, "*bf16", "i8"),
+    "compensated int8, split": (dict(A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
+                                False, "*bf16", "i8"),
 }
 
 
@@ -141,14 +158,15 @@ def matmul_cases(spec: str) -> list[Case]:
     bm, bp, bk, gm, warps, stages = (int(x) for x in spec.split(","))
     base = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, GROUP_M=gm, EVEN_M=True,
                 EVEN_P=True, EVEN_K=True, BF16_EMULATION=False, INPUT_PRECISION="tf32", TMA=True, B_T=False,
-                COMPENSATED=False, C_TMA=False)
+                COMPENSATED=False, C_TMA=False, SPLIT_PAIR=False)
     out = []
     for use, (extra, a_t, c_dtype, lo_dtype) in _MATMUL_USES.items():
         descs = dict(a_desc=(bk, bm) if a_t else (bm, bk), b_desc=(bk, bp))
+        c_block = (bm, bp // 2 if extra.get("SPLIT_PAIR") else bp)
         if extra.get("C_TMA"):
-            descs.update(c_desc=(bm, bp))
+            descs.update(c_desc=c_block)
         if extra.get("COMPENSATED"):
-            descs.update(lo_desc=(bm, bp))
+            descs.update(lo_desc=c_block)
         out.append(Case(f"matmul {bm}x{bp}x{bk} w{warps} s{stages}, {use}", "matmul_kernel", "products",
                         dict(base, **extra), descs, warps, stages, c_dtype=c_dtype, lo_dtype=lo_dtype))
     return out

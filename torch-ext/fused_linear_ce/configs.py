@@ -53,6 +53,9 @@ class MatmulConfig:
     # A plain (not compensated) result read and written through a descriptor too, where it is
     # contiguous: no 2-D tile of pointers in the epilogue (``matmul_kernel``'s C_TMA).
     c_tma: bool = False
+    # A compensated pair's epilogue (through descriptors) on the tile's two column halves in turn:
+    # fewer registers live at once (``matmul_kernel``'s SPLIT_PAIR).
+    split_pair: bool = False
 
 
 # Interpreter: every program runs in numpy, so fewer, larger tiles are faster; tl.dot needs >= 16.
@@ -86,13 +89,14 @@ _GPU_DLOGITS = _GPU_SWEEP
 # ms); no spills where the pointer epilogue spilled 88 bytes (1696 for the fp32 sum). The same tiles
 # with two programs an SM (128 x 128, 4 warps) were 1-24% slower on all but the paired plan's dX
 # (2.28 against 2.37 ms; benchmarks/results/matmul/).
-_GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True)
+_GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True,
+                           split_pair=True)
 # The paired plan's grad_hidden product (N x block columns x H into the bf16 + int8 pair: a K loop of
 # only the block's columns, then 3 + 3 bytes an element of epilogue): 128 x 128 tiles with 4 warps,
 # two programs an SM, so that one's epilogue runs beside the other's products. H200, S4's 2048-column
 # block: 2.28 / 2.16 ms against 2.37 / 2.35 for the shared config (two runs; cuBLAS into bf16 1.62).
-_GPU_MATMUL_PAIRED_ROWS = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=4, num_stages=3,
-                                       c_tma=True)
+_GPU_MATMUL_PAIRED_ROWS = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3,
+                                       c_tma=True, split_pair=True)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3,
                                 tma=False)
 

@@ -110,8 +110,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         # every pair the package sums into is a whole gradient.
         c_tma = (cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and device.tma_layout(lo) and c.is_contiguous() and lo.is_contiguous())
-    c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_p]) if c_tma else c
-    lo_desc = TensorDescriptor.from_tensor(lo, [cfg.block_m, cfg.block_p]) if c_tma and lo is not None else c
+    split = c_tma and lo is not None and cfg.split_pair
+    c_block = [cfg.block_m, cfg.block_p // 2 if split else cfg.block_p]
+    c_desc = TensorDescriptor.from_tensor(c, c_block) if c_tma else c
+    lo_desc = TensorDescriptor.from_tensor(lo, c_block) if c_tma and lo is not None else c
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
         a, b, c, lo if lo is not None else c, unscale if unscale is not None else c, a_desc, b_desc,
@@ -120,7 +122,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
         BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
-        TMA=tma, A_T=a_t, B_T=b_t, COMPENSATED=lo is not None, C_TMA=c_tma,
+        TMA=tma, A_T=a_t, B_T=b_t, COMPENSATED=lo is not None, C_TMA=c_tma, SPLIT_PAIR=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 
@@ -260,6 +262,43 @@ def pair_step(hi):
 
 
 @triton.jit
+def pair_value(hi, lo):
+    """The fp32 value of a compensated pair: hi + lo, or hi + lo steps of ``pair_step(hi)`` for an
+    int8 lo; exact in fp32 but for a remainder under 2^-24 of hi."""
+    if lo.dtype == tl.int8:
+        return hi.to(tl.float32) + lo.to(tl.float32) * pair_step(hi)
+    return hi.to(tl.float32) + lo.to(tl.float32)
+
+
+@triton.jit
+def pair_of(s, hi_dtype: tl.constexpr, lo_dtype: tl.constexpr, BF16_EMULATION: tl.constexpr):
+    """The pair (hi, lo) for the fp32 sum ``s``: hi = s rounded, lo = the rest (exact in fp32)
+    rounded to lo's dtype, or to whole steps of ``pair_step(hi)`` for int8 (|rest| <= 128 steps,
+    only a tie reaching 128). lo is 0 where hi overflowed (s - hi = -inf) or s was inf or NaN (NaN
+    fails the comparison): hi carries it."""
+    hi = round_to(s, hi_dtype, BF16_EMULATION)
+    rest = s - hi.to(tl.float32)
+    rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
+    if lo_dtype == tl.int8:
+        lo = tl.minimum(tl.maximum(tl.floor(rest / pair_step(hi) + 0.5), -127.0), 127.0).to(tl.int8)
+    else:
+        lo = round_to(rest, lo_dtype, BF16_EMULATION)
+    return hi, lo
+
+
+@triton.jit
+def pair_through_descriptors(acc, c_desc, lo_desc, row0, col0, ACCUMULATE: tl.constexpr,
+                             BF16_EMULATION: tl.constexpr):
+    """The pair's epilogue for one tile (acc's shape) at (row0, col0): s = (hi + lo) + acc (the old
+    pair's sum first, exact), then the new pair of s, read and written through descriptors."""
+    if ACCUMULATE:
+        acc = pair_value(c_desc.load([row0, col0]), lo_desc.load([row0, col0])) + acc
+    hi, lo = pair_of(acc, c_desc.dtype, lo_desc.dtype, BF16_EMULATION)
+    c_desc.store([row0, col0], hi)
+    lo_desc.store([row0, col0], lo)
+
+
+@triton.jit
 def matmul_kernel(
     a_ptr,  # (M, K) any strides
     b_ptr,  # (K, P) any strides
@@ -295,6 +334,7 @@ def matmul_kernel(
     B_T: tl.constexpr = False,
     COMPENSATED: tl.constexpr = False,
     C_TMA: tl.constexpr = False,
+    SPLIT_PAIR: tl.constexpr = False,
 ):
     """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
 
@@ -313,6 +353,9 @@ def matmul_kernel(
     a 2-D tile of pointers spills (offline sm_90, ``scripts/registers.py``: the pair accumulating
     3128 bytes of stack against 0; a plain result 88 against 0, an fp32 sum 1696 against 0). The
     pair takes it wherever the layout allows, a plain result where the config's ``c_tma`` says.
+    SPLIT_PAIR (the config's ``split_pair``; the pair through descriptors whose blocks are
+    (BLOCK_M, BLOCK_P // 2)): the pair's epilogue runs on the two column halves of the tile in turn,
+    the same arithmetic per element (offline sm_90: 104 bytes of stack against 0 with an int8 lo).
     """
     pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -348,35 +391,22 @@ def matmul_kernel(
     col0 = pid_p * BLOCK_P
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr)
-    if COMPENSATED:
-        # s = (hi + lo) + acc: the old pair's sum is exact in fp32 (but for a remainder under 2^-24
-        # of hi), so s is the pair's value plus acc rounded once.
+    if COMPENSATED and C_TMA:  # rows and columns past the end are neither read nor written
+        if SPLIT_PAIR:  # two column halves, one after the other: fewer live registers
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_P // 2)), (0, 2, 1)))
+            pair_through_descriptors(left, c_desc, lo_desc, row0, col0, ACCUMULATE, BF16_EMULATION)
+            pair_through_descriptors(right, c_desc, lo_desc, row0, col0 + BLOCK_P // 2, ACCUMULATE,
+                                     BF16_EMULATION)
+        else:
+            pair_through_descriptors(acc, c_desc, lo_desc, row0, col0, ACCUMULATE, BF16_EMULATION)
+    elif COMPENSATED:
         offs_c = offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp  # one offset tile for both
         if ACCUMULATE:
-            if C_TMA:
-                hi_old = c_desc.load([row0, col0])
-                lo_old = lo_desc.load([row0, col0])
-            else:
-                hi_old = tl.load(c_ptr + offs_c, mask=mask, other=0.0)
-                lo_old = tl.load(lo_ptr + offs_c, mask=mask, other=0.0)
-            if lo_ptr.dtype.element_ty == tl.int8:  # the remainder in steps of pair_step(hi)
-                acc = (hi_old.to(tl.float32) + lo_old.to(tl.float32) * pair_step(hi_old)) + acc
-            else:
-                acc = (hi_old.to(tl.float32) + lo_old.to(tl.float32)) + acc
-        hi = round_to(acc, c_ptr.dtype.element_ty, BF16_EMULATION)
-        rest = acc - hi.to(tl.float32)  # exact: the bits of s below hi's
-        # hi overflowed (s - hi = -inf), or s was inf or NaN (NaN fails the comparison): lo 0, hi inf or NaN
-        rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
-        if lo_ptr.dtype.element_ty == tl.int8:  # |rest| <= 128 steps (a tie), a whole number of them
-            lo = tl.minimum(tl.maximum(tl.floor(rest / pair_step(hi) + 0.5), -127.0), 127.0).to(tl.int8)
-        else:
-            lo = round_to(rest, lo_ptr.dtype.element_ty, BF16_EMULATION)
-        if C_TMA:  # rows and columns past the end are not written
-            c_desc.store([row0, col0], hi)
-            lo_desc.store([row0, col0], lo)
-        else:
-            tl.store(c_ptr + offs_c, hi, mask=mask)
-            tl.store(lo_ptr + offs_c, lo, mask=mask)
+            acc = pair_value(tl.load(c_ptr + offs_c, mask=mask, other=0.0),
+                             tl.load(lo_ptr + offs_c, mask=mask, other=0.0)) + acc
+        hi, lo = pair_of(acc, c_ptr.dtype.element_ty, lo_ptr.dtype.element_ty, BF16_EMULATION)
+        tl.store(c_ptr + offs_c, hi, mask=mask)
+        tl.store(lo_ptr + offs_c, lo, mask=mask)
     elif C_TMA:  # rows and columns past the end are neither read nor written
         if ACCUMULATE:
             acc += c_desc.load([row0, col0]).to(tl.float32)
