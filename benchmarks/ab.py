@@ -11,7 +11,10 @@ evaluation forward alone for ``eval``) as the median of ``--rounds`` interleaved
 fp32-logit reference (mean loss; ``none`` is the per-row loss summed over the counted rows).
 Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` (recompute path,
 64 MiB), ``none`` (reduction="none", the per-row upstream gradient path), ``chunked-whole``
-(chunked path in one chunk). Prints a table last; writes ab.json under --out.
+(chunked path in one chunk), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
+``bench_logprobs.py``'s outputs; sft's loss is the mean NLL, so its errors are against the same
+reference; grpo's errors are against that reference too and only compare packages with each other).
+Prints a table last; writes ab.json under --out.
 """
 
 import argparse
@@ -41,7 +44,11 @@ SETTINGS = {
     "64M": dict(strategy="recompute", chunk_bytes=64 * MiB),
     "none": dict(reduction="none"),
     "chunked-whole": dict(strategy="chunked", chunk_bytes=1 << 50),
+    # per-token (fused_linear_logprobs), bench_logprobs.py's workloads at the default budget
+    "sft": dict(outputs=("log_probs", "entropy", "is_top1")),
+    "grpo": dict(outputs=("log_probs", "entropy")),
 }
+ENTROPY_COEF = 0.01  # bench_logprobs.py's grpo loss
 
 
 def load_copy(name, path):
@@ -65,6 +72,20 @@ def runner(package, setting, hidden, weight, targets):
     h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
     kwargs = SETTINGS[setting]
     counted = (targets != -100).sum()
+    if setting in ("sft", "grpo"):  # mean NLL (the loss's reference gradients); grpo adds advantages and entropy
+        adv = torch.randn(targets.shape, generator=torch.Generator(targets.device).manual_seed(1),
+                          device=targets.device) if setting == "grpo" else None
+
+        def run():
+            h.grad = w.grad = None
+            out = package.fused_linear_logprobs(h, w, targets, **kwargs)
+            if adv is None:
+                loss = -out["log_probs"].sum() / counted
+            else:
+                loss = -(out["log_probs"] * adv).mean() - ENTROPY_COEF * out["entropy"].mean()
+            loss.backward()
+
+        return run, h, w
 
     def run():
         h.grad = w.grad = None

@@ -16,7 +16,8 @@ Workloads (each a per-token call of ``hidden @ weight.T`` on bf16 data from ``be
 Methods: ``flce`` (``fused_linear_ce.fused_linear_logprobs``, default settings), ``flce-chunked``
 (``strategy="chunked"`` with a chunk_bytes no plane reaches: one chunk of all rows; an out-of-memory or
 ValueError is a row with ``error``), ``trl`` (TRL's ``trl.kernels.ChunkedLogProbFunction`` as a black box,
-token chunk 32768), ``torch`` (plain torch on fp32 logits ``(h @ w.T).float()``; rows chunked under
+token chunk 32768), ``flce-trl`` (this package's drop-in ``fused_linear_ce.ChunkedLogProbFunction``
+called as ``trl`` is: TRL's call path, with the drop-in's own budget ``trl_head.trl_chunk_bytes``), ``torch`` (plain torch on fp32 logits ``(h @ w.T).float()``; rows chunked under
 activation checkpointing only if the whole would not fit; skipped at S4 unless --no-skip).
 
 Per row: ``fwd_ms`` (the row's outputs under no_grad), ``fwdbwd_ms`` (sft / grpo), medians timed as
@@ -131,6 +132,8 @@ def build_methods(notes):
     else:
         methods["flce"] = ours(api)
         methods["flce-chunked"] = ours(api, strategy="chunked", chunk_bytes=WHOLE)
+        # the drop-in for TRL's head (fused_linear_ce.ChunkedLogProbFunction) called as TRL calls its own
+        methods["flce-trl"] = trl_head(fused_linear_ce.ChunkedLogProbFunction)
     try:
         from trl.kernels import ChunkedLogProbFunction
 
@@ -335,7 +338,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="S1,S2,S3,S4", help="from " + ",".join(SHAPES) + " (default %(default)s)")
     ap.add_argument("--dists", default="random,peaked", help="random and/or peaked (default %(default)s)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="from %(default)s (default all)")
-    ap.add_argument("--methods", default="*", help="names or globs among flce, flce-chunked, trl, torch (default all)")
+    ap.add_argument("--methods", default="*", help="names or globs among flce, flce-chunked, flce-trl, trl, torch (default all)")
     ap.add_argument("--tiny", action="store_true", help="one tiny shape; runs on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--quick", action="store_true", help="fewer timing reps (on CPU: one call per figure)")
     ap.add_argument("--no-skip", action="store_true", help="also run the combinations skipped by default (torch at S4)")

@@ -57,6 +57,9 @@ def timed(fn):
 SHIPPED = (128, 256, 64, 8, 8, 3)
 CANDIDATES = [
     (*SHIPPED, dict(c_tma=True)),
+    (*SHIPPED, dict(c_tma=True, split_pair=True)),
+    (128, 128, 64, 8, 4, 3, dict(c_tma=True, split_pair=True)),
+    (128, 128, 64, 8, 8, 3, dict(c_tma=True, split_pair=True)),
     (*SHIPPED, dict(c_tma=False)),
     (128, 256, 64, 8, 8, 4, dict(c_tma=True)),
     (128, 128, 64, 8, 4, 3, dict(c_tma=True)),
@@ -128,19 +131,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--scale", type=int, default=1, help="divide every size by this (a quick check)")
+    ap.add_argument("--cases", nargs="*", help="only these cases (default all)")
+    ap.add_argument("--candidates", nargs="*", type=int,
+                    help="only these indices into CANDIDATES (default all; 0, the shipped one, always)")
     args = ap.parse_args()
+    chosen = [c for i, c in enumerate(CANDIDATES) if i == 0 or not args.candidates or i in args.candidates]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", **versions(),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                candidates=CANDIDATES, scale=args.scale)
+                candidates=chosen, scale=args.scale)
     rows, t0 = [], time.perf_counter()
     for name, setup in cases(args.scale).items():
+        if args.cases and name not in args.cases:
+            continue
         run, outs, flops, (a, b) = setup()
         ms = timed(lambda: torch.mm(a, b))
         rows.append(dict(case=name, config="cublas", ms=ms, tflops=flops / ms / 1e9))
         expected = None
-        for spec in CANDIDATES:
+        for spec in chosen:
             cfg = configs.MatmulConfig(*spec[:6], **spec[6])
             row = dict(case=name, config=config_name(spec))
             try:

@@ -52,7 +52,7 @@ def test_tiny_quick_run_writes_every_row_and_the_table(harness, tmp_path, capsys
         assert meta["data"][f"tiny/{dist}"]["reference"] == "float64"
     assert meta["data"]["tiny/peaked"]["mean_p_target"] > 0.5 > meta["data"]["tiny/random"]["mean_p_target"]
 
-    methods = {"flce", "flce-chunked", "torch"} | ({"trl"} if trl_peer_importable() else set())
+    methods = {"flce", "flce-chunked", "flce-trl", "torch"} | ({"trl"} if trl_peer_importable() else set())
     by = {(r["dist"], r["workload"], r["method"]): r for r in rows}
     assert len(by) == len(rows), "a row twice"
     assert set(by) == {(d, "-", "matmul") for d in ("random", "peaked")} | {
