@@ -18,6 +18,7 @@ Runs the compiler, not the interpreter: TRITON_INTERPRET must be unset (this scr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -71,6 +72,18 @@ def cases() -> list[Case]:
     # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
     # strided one always through pointers ("matmul, pointers").
     c_desc = dict(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
+
+    def pair(name, cfg, A_T, lo_dtype="bf16"):
+        """A product summed into a compensated pair (through descriptors) at ``cfg``, its epilogue on
+        column halves where ``cfg.split_pair`` says, as ``products.matmul`` launches it."""
+        c_block = (cfg.block_m, cfg.block_p // 2 if cfg.split_pair else cfg.block_p)
+        a_desc = (cfg.block_k, cfg.block_m) if A_T else (cfg.block_m, cfg.block_k)
+        return Case(name, "matmul_kernel", "products",
+                    dict(matmul, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                         A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=cfg.split_pair),
+                    dict(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=c_block),
+                    cfg.num_warps, cfg.num_stages, lo_dtype=lo_dtype)
+
     return [
         Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
         Case("sweep, ragged V", "lse_sweep_kernel", "sweep", dict(forward, EVEN_V=False), descs,
@@ -103,32 +116,11 @@ def cases() -> list[Case]:
              mm.num_stages, c_dtype="*fp32"),
         Case("matmul, pointers", "matmul_kernel", "products", dict(matmul, A_T=False, C_TMA=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
-        Case("matmul, da^T, compensated", "matmul_kernel", "products",
-             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
-             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
-                  lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages),
-        Case("matmul, compensated int8", "matmul_kernel", "products",
-             dict(matmul, A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
-             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p),
-                  lo_desc=(mm.block_m, mm.block_p)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
-        Case("matmul, paired rows", "matmul_kernel", "products",
-             dict(matmul, BLOCK_M=pr.block_m, BLOCK_P=pr.block_p, BLOCK_K=pr.block_k, GROUP_M=pr.group_m, A_T=False,
-                  ACCUMULATE=True, COMPENSATED=True, C_TMA=True),
-             dict(a_desc=(pr.block_m, pr.block_k), b_desc=(pr.block_k, pr.block_p), c_desc=(pr.block_m, pr.block_p),
-                  lo_desc=(pr.block_m, pr.block_p)), pr.num_warps, pr.num_stages, lo_dtype="i8"),
-        Case("matmul, paired rows, split", "matmul_kernel", "products",
-             dict(matmul, BLOCK_M=pr.block_m, BLOCK_P=pr.block_p, BLOCK_K=pr.block_k, GROUP_M=pr.group_m, A_T=False,
-                  ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
-             dict(a_desc=(pr.block_m, pr.block_k), b_desc=(pr.block_k, pr.block_p), c_desc=(pr.block_m, pr.block_p // 2),
-                  lo_desc=(pr.block_m, pr.block_p // 2)), pr.num_warps, pr.num_stages, lo_dtype="i8"),
-        Case("matmul, compensated int8, split", "matmul_kernel", "products",
-             dict(matmul, A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
-             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p // 2),
-                  lo_desc=(mm.block_m, mm.block_p // 2)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
-        Case("matmul, da^T, compensated int8, split", "matmul_kernel", "products",
-             dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
-             dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), c_desc=(mm.block_m, mm.block_p // 2),
-                  lo_desc=(mm.block_m, mm.block_p // 2)), mm.num_warps, mm.num_stages, lo_dtype="i8"),
+        pair("matmul, da^T, compensated", mm, A_T=True),
+        pair("matmul, da^T, compensated int8", mm, A_T=True, lo_dtype="i8"),
+        pair("matmul, compensated int8", mm, A_T=False, lo_dtype="i8"),
+        pair("matmul, paired rows", pr, A_T=False, lo_dtype="i8"),
+        pair("matmul, compensated int8, unsplit", dataclasses.replace(mm, split_pair=False), A_T=False, lo_dtype="i8"),
         Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),

@@ -10,6 +10,8 @@ old pair plus the product in fp32, and lo's own rounding (at most 2^-(p_hi + p_l
 significand bits: 2^-16 for bf16 + bf16, 2^-19 for fp16 + bf16; 2^-33 absolute under fp16's smallest
 normal, where hi's ulp stops shrinking)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -406,6 +408,35 @@ def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
     want = configs.matmul_config(torch.bfloat16, role="paired_rows")
     assert tiles[2:] == [(want.block_m, want.block_p)] * 2
     assert (tiles[0] != tiles[2]) == ON_GPU
+
+
+@pytest.mark.parametrize("lo_dtype", [torch.int8, torch.bfloat16])
+def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
+    """``MatmulConfig.split_pair``: the pair's epilogue runs on the tile's two column halves in turn
+    (descriptors of half the width; fewer registers live). The arithmetic per element is the same, so
+    the pair holds the same bits as with the whole tile, ragged edges included (M = 1000; P = 640: the
+    last 256-wide tile's right half lies wholly past the edge, and the rows stay 16-byte aligned, as
+    descriptors need). The interpreter runs the descriptors too, so the CPU covers the split."""
+    spy = KernelSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    g = torch.Generator().manual_seed(4)
+    m, k, p = (1000, 300, 640) if ON_GPU else (200, 72, 160)
+    a = (1e-2 * torch.randn(m, k, generator=g)).bfloat16().to(DEVICE)
+    b = torch.randn(k, p, generator=g).bfloat16().to(DEVICE)
+    start = torch.randn(m, p, generator=g).bfloat16().to(DEVICE)
+    unscale = torch.tensor([0.75], device=DEVICE)
+    shipped = configs.matmul_config(torch.bfloat16)
+    pairs = []
+    for split in (False, True):
+        cfg = dataclasses.replace(shipped, split_pair=split)
+        monkeypatch.setattr(configs, "matmul_config", lambda dtype, role="product", cfg=cfg: cfg)
+        hi = start.clone()
+        lo = products.compensation_buffer(hi, lo_dtype)
+        products.compensated(a, b, hi, lo, False, unscale)
+        products.compensated(a, b, hi, lo, True, unscale)
+        pairs.append((hi, lo))
+    assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+    assert [(launch["C_TMA"], launch["SPLIT_PAIR"]) for launch in spy.launches] == [(True, False)] * 2 + [(True, True)] * 2
 
 
 def _ulps_size(t: torch.Tensor) -> torch.Tensor:

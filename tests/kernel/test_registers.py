@@ -20,7 +20,9 @@ both live; written in log p, 0, NOTES v21). The compensated matmul (a grad_weigh
 summed into a pair of 16-bit buffers, ``products.compensated``) reads and writes the pair through
 tensor descriptors: held at 0, where its pointer epilogue (two 2-D tiles of 16-bit loads and stores)
 spills ~3100 bytes, reported. With an int8 remainder (the recompute path's long-context
-grad_hidden, ``BackwardPlan.paired``): 104 bytes, held there (below the plain matmul's 1168)."""
+grad_hidden, ``BackwardPlan.paired``; the chunked path's weight gradient): 104 bytes while the
+epilogue held the whole tile's old pair beside the accumulator ("matmul, compensated int8, unsplit",
+reported); on the tile's two column halves in turn (the configs' ``split_pair``, NOTES v21), 0, held."""
 
 import json
 import os
@@ -34,9 +36,9 @@ import triton
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 40, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
-        "dlogits, bias gradient": 96, "matmul, da^T, compensated": 0, "matmul, compensated int8": 104,
+        "dlogits, bias gradient": 96, "matmul, da^T, compensated": 0, "matmul, compensated int8": 0, "matmul, da^T, compensated int8": 0,
         "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 88,
-        "matmul, paired rows": 104, "sweep, every per-token field": 0, "dlogits, entropy gradient": 0}
+        "matmul, paired rows": 0, "sweep, every per-token field": 0, "dlogits, entropy gradient": 0}
 
 
 @pytest.fixture(scope="module")
