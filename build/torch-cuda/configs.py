@@ -91,10 +91,13 @@ _GPU_DLOGITS = _GPU_SWEEP
 # (2.28 against 2.37 ms; benchmarks/results/matmul/).
 _GPU_MATMUL = MatmulConfig(block_m=128, block_p=256, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True,
                            split_pair=True)
+# The pair's epilogue on column halves (split_pair): no spills with an int8 remainder (104 bytes
+# whole); H200, S4 chunk's grad_weight into the pair 7.37 ms against 7.44 (cuBLAS into bf16 6.01).
 # The paired plan's grad_hidden product (N x block columns x H into the bf16 + int8 pair: a K loop of
-# only the block's columns, then 3 + 3 bytes an element of epilogue): 128 x 128 tiles with 4 warps,
-# two programs an SM, so that one's epilogue runs beside the other's products. H200, S4's 2048-column
-# block: 2.28 / 2.16 ms against 2.37 / 2.35 for the shared config (two runs; cuBLAS into bf16 1.62).
+# only the block's columns, then 3 + 3 bytes an element of epilogue): 128 x 128 tiles, two programs
+# an SM, so that one's epilogue runs beside the other's products; 8 warps once the epilogue is split.
+# H200, S4's 2048-column block: 2.16 ms, against 2.22 with 4 warps unsplit and 2.40 for the shared
+# config (cuBLAS into bf16 1.64; benchmarks/results/matmul/run3.json).
 _GPU_MATMUL_PAIRED_ROWS = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3,
                                        c_tma=True, split_pair=True)
 _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, num_warps=4, num_stages=3,
