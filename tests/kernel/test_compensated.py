@@ -383,19 +383,28 @@ def test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair(monkeypatch):
     assert (diff <= torch.maximum(one_ulp, 2.0**-13 * row_scale)).all()
 
 
-def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
-    """The paired plan's grad_hidden product has its own tiles on the GPU (``configs.matmul_config``'s
-    "paired_rows": 128 x 128, 4 warps); each output's K reduction runs in the same steps whatever the
-    tile, so the pair holds the same bits as with the shared config, ragged edges included. On the
-    interpreter both roles are the one CPU config (the launch records say so)."""
-    spy = KernelSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
-    g = torch.Generator().manual_seed(3)
-    m, k, p = (1000, 300, 700) if ON_GPU else (200, 72, 150)
+def _ragged_product(seed):
+    """bf16 operands a (M, K) and b (K, P) of a product summed into a pair, the pair's starting hi and
+    an unscale factor. Ragged against the tiles (M = 1000, P = 640 on the GPU: the last 256-wide
+    tile's right half lies wholly past the edge; 200 x 160 against the interpreter's 64 x 64), with
+    rows 16-byte aligned so that the pair goes through descriptors, as every pair the package sums
+    into does (the interpreter runs them too)."""
+    g = torch.Generator().manual_seed(seed)
+    m, k, p = (1000, 300, 640) if ON_GPU else (200, 72, 160)
     a = (1e-2 * torch.randn(m, k, generator=g)).bfloat16().to(DEVICE)
     b = torch.randn(k, p, generator=g).bfloat16().to(DEVICE)
     start = torch.randn(m, p, generator=g).bfloat16().to(DEVICE)
-    unscale = torch.tensor([0.75], device=DEVICE)
+    return a, b, start, torch.tensor([0.75], device=DEVICE)
+
+
+def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
+    """The paired plan's grad_hidden product has its own tiles on the GPU (``configs.matmul_config``'s
+    "paired_rows": 128 x 128); each output's K reduction runs in the same steps whatever the tile, so
+    the pair holds the same bits as with the shared config, ragged edges included. On the
+    interpreter both roles are the one CPU config (the launch records say so)."""
+    spy = KernelSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    a, b, start, unscale = _ragged_product(3)
     pairs = []
     for role in ("product", "paired_rows"):
         hi = start.clone()
@@ -404,9 +413,9 @@ def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
         products.compensated(a, b, hi, lo, True, unscale, role=role)
         pairs.append((hi, lo))
     assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
-    tiles = [(launch["BLOCK_M"], launch["BLOCK_P"]) for launch in spy.launches]
+    tiles = [(launch["BLOCK_M"], launch["BLOCK_P"], launch["C_TMA"]) for launch in spy.launches]
     want = configs.matmul_config(torch.bfloat16, role="paired_rows")
-    assert tiles[2:] == [(want.block_m, want.block_p)] * 2
+    assert tiles[2:] == [(want.block_m, want.block_p, True)] * 2
     assert (tiles[0] != tiles[2]) == ON_GPU
 
 
@@ -414,17 +423,10 @@ def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
 def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
     """``MatmulConfig.split_pair``: the pair's epilogue runs on the tile's two column halves in turn
     (descriptors of half the width; fewer registers live). The arithmetic per element is the same, so
-    the pair holds the same bits as with the whole tile, ragged edges included (M = 1000; P = 640: the
-    last 256-wide tile's right half lies wholly past the edge, and the rows stay 16-byte aligned, as
-    descriptors need). The interpreter runs the descriptors too, so the CPU covers the split."""
+    the pair holds the same bits as with the whole tile, ragged edges included."""
     spy = KernelSpy(products.matmul_kernel)
     monkeypatch.setattr(products, "matmul_kernel", spy)
-    g = torch.Generator().manual_seed(4)
-    m, k, p = (1000, 300, 640) if ON_GPU else (200, 72, 160)
-    a = (1e-2 * torch.randn(m, k, generator=g)).bfloat16().to(DEVICE)
-    b = torch.randn(k, p, generator=g).bfloat16().to(DEVICE)
-    start = torch.randn(m, p, generator=g).bfloat16().to(DEVICE)
-    unscale = torch.tensor([0.75], device=DEVICE)
+    a, b, start, unscale = _ragged_product(4)
     shipped = configs.matmul_config(torch.bfloat16)
     pairs = []
     for split in (False, True):
