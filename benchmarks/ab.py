@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import gpu_name, make_data, reference_and_stats, rel, versions  # noqa: E402
+from bench_logprobs import WORKLOADS, workload_loss  # noqa: E402
 
 import fused_linear_ce  # noqa: E402
 
@@ -45,10 +46,9 @@ SETTINGS = {
     "none": dict(reduction="none"),
     "chunked-whole": dict(strategy="chunked", chunk_bytes=1 << 50),
     # per-token (fused_linear_logprobs), bench_logprobs.py's workloads at the default budget
-    "sft": dict(outputs=("log_probs", "entropy", "is_top1")),
-    "grpo": dict(outputs=("log_probs", "entropy")),
+    "sft": dict(outputs=WORKLOADS["sft"][0]),
+    "grpo": dict(outputs=WORKLOADS["grpo"][0]),
 }
-ENTROPY_COEF = 0.01  # bench_logprobs.py's grpo loss
 
 
 def load_copy(name, path):
@@ -72,18 +72,13 @@ def runner(package, setting, hidden, weight, targets):
     h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
     kwargs = SETTINGS[setting]
     counted = (targets != -100).sum()
-    if setting in ("sft", "grpo"):  # mean NLL (the loss's reference gradients); grpo adds advantages and entropy
+    if setting in ("sft", "grpo"):  # bench_logprobs.py's losses: sft the mean NLL (make_data ignores no row)
         adv = torch.randn(targets.shape, generator=torch.Generator(targets.device).manual_seed(1),
-                          device=targets.device) if setting == "grpo" else None
+                          device=targets.device)
 
         def run():
             h.grad = w.grad = None
-            out = package.fused_linear_logprobs(h, w, targets, **kwargs)
-            if adv is None:
-                loss = -out["log_probs"].sum() / counted
-            else:
-                loss = -(out["log_probs"] * adv).mean() - ENTROPY_COEF * out["entropy"].mean()
-            loss.backward()
+            workload_loss(setting, package.fused_linear_logprobs(h, w, targets, **kwargs), adv).backward()
 
         return run, h, w
 
