@@ -147,17 +147,31 @@ def row_coefficients(g_ce, g_z, grad_lse, lse, targets, weights: TargetWeights, 
     counted, w_t = weights.counted, weights.per_row
     v = weights.v_total
     w_sum = weights.total if eps else 0.0
-    coef_b = g_ce * (1.0 - eps) * w_t
     coef_a = g_ce * ((1.0 - eps) * w_t + (eps / v) * w_sum)
     if opts.z_loss:
         coef_a = coef_a + g_z * (2.0 * opts.z_loss) * lse
     coef_c = (g_ce * (eps / v)).expand(n) if eps else zero.expand(n)
-    coef_a, coef_b, coef_c = (torch.where(counted, c.expand(n), zero) for c in (coef_a, coef_b, coef_c))
+    coef_a, coef_c = (torch.where(counted, c.expand(n), zero) for c in (coef_a, coef_c))
     if grad_lse is not None:
         coef_a = coef_a + grad_lse.to(torch.float32)
-    out_of_range = counted & ((targets < 0) | (targets >= v))
-    coef_b = torch.where(out_of_range, torch.full((), float("nan"), device=lse.device), coef_b)
-    return torch.stack([coef_a, coef_b, coef_c])
+    return torch.stack([coef_a, _coef_b(g_ce, targets, weights, opts), coef_c])
+
+
+def _coef_b(g_ce, targets, weights: TargetWeights, opts: Options):
+    """B of every row of ``targets``: G (1 - eps) w[t] on counted rows, 0 on ignored ones, NaN where
+    a counted row's target is outside [0, V). It needs no forward statistics."""
+    counted = weights.counted
+    n = targets.shape[0]
+    zero = torch.zeros((), device=targets.device)
+    coef_b = torch.where(counted, (g_ce * (1.0 - opts.label_smoothing) * weights.per_row).expand(n), zero)
+    out_of_range = counted & ((targets < 0) | (targets >= weights.v_total))
+    return torch.where(out_of_range, torch.full((), float("nan"), device=targets.device), coef_b)
+
+
+def largest_b(g_ce, targets, weights: TargetWeights, opts: Options) -> torch.Tensor:
+    """``normalize``'s divisor for all rows at once (before any sweep): the chunked path divides
+    every chunk by it when its products' factor must be the same for every chunk."""
+    return _largest(_coef_b(g_ce, targets, weights, opts))
 
 
 def rows(weights: TargetWeights, start: int, stop: int) -> TargetWeights:
@@ -166,9 +180,9 @@ def rows(weights: TargetWeights, start: int, stop: int) -> TargetWeights:
                          weights.weighted, weights.v_total)
 
 
-def normalize(coef: torch.Tensor, common):
-    """(coef / s, s * common, or s when there is none): s is the largest finite |B|, 1 when there is
-    none. No host sync.
+def normalize(coef: torch.Tensor, common, s=None):
+    """(coef / s, s * common, or s when there is none): s is the largest finite |B| (given: the
+    rows' ``largest_b``), 1 when there is none. No host sync.
 
     A target entry of da is about ``-B (1 - p_t)``, and where p_t is far from 1 (untrained or
     random logits) rounding it to 16 bits gives every row with the same B the same relative error,
@@ -178,10 +192,15 @@ def normalize(coef: torch.Tensor, common):
     there, and the factor goes to the products in fp32 with the rest of the common factor (the
     recompute path; on CPU, N=256, V=2000, errors against one rounding of the exact gradient:
     class weight 0.3 1.98x -> 1.07x, label smoothing 0.1 1.29x -> 1.07x)."""
-    b = coef[1].abs()
-    largest = torch.where(torch.isfinite(b), b, torch.zeros_like(b)).amax()
-    s = torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
+    s = _largest(coef[1]) if s is None else s
     return coef / s, s if common is None else common * s
+
+
+def _largest(coef_b: torch.Tensor) -> torch.Tensor:
+    """The largest finite |B|, 1 when there is none (no host sync)."""
+    b = coef_b.abs()
+    largest = torch.where(torch.isfinite(b), b, torch.zeros_like(b)).amax()
+    return torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
 
 
 def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float, v_total: int = 1):

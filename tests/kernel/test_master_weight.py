@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICE, ON_GPU, rel_err
 from fused_linear_ce import ChunkedLogProbFunction, chunked, configs, fused_linear_cross_entropy, fused_linear_logprobs
+from fused_linear_ce import products
 from fused_linear_ce import plan as plan_module
 
 MiB = 1 << 20
@@ -75,6 +76,52 @@ def test_fp32_weight_gradient_is_fp32_and_at_least_as_exact_as_casting_first(dty
     # Both paths: da rounded once, the products summed in fp32 and never rounded to 16 bits.
     assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
     assert rel_err(dx, ref_dx) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_weight_gradient_summed_over_token_blocks_gets_its_factor_once(monkeypatch, dtype, strategy):
+    """With bf16 products, a master weight's dW summed over token chunks (chunked path) or token
+    blocks (recompute path) goes through ``products.accumulate`` unscaled (cuBLAS with an fp32 result
+    on the GPU), the first product writing, the rest adding, and is scaled once at the end; so every
+    chunk must share one factor. Class weights whose largest value differs between the chunks (each
+    chunk's own ``losses.normalize`` divisor would differ) check that it does: dW stays strictly
+    closer to float64 than casting first, as with fp16, whose chunked products keep applying each
+    chunk's factor (its lift out of the subnormals is per chunk)."""
+    hidden, weight, targets = _problem()
+    class_weight = torch.full((V,), 0.5)
+    class_weight[targets[:64].clamp(min=0)] = 2.0  # the first chunk's rows weigh more than the rest's
+    class_weight = class_weight.to(DEVICE)
+    calls = []
+    original = products.accumulate
+
+    def spy(a, b, acc, first):
+        calls.append((tuple(acc.shape), acc.dtype, first))
+        return original(a, b, acc, first)
+
+    monkeypatch.setattr(products, "accumulate", spy)
+    budget = 64 * V * 2  # several 64-row chunks; on the recompute path a token plan (fp16, a master weight)
+    kwargs = dict(strategy=strategy, chunk_bytes=budget, class_weight=class_weight)
+    if strategy == "recompute" and dtype == torch.bfloat16:
+        kwargs["chunk_bytes"] = 64 * V * 2 + 4 * N * H  # no room for the pair: the master weight's token plan
+    _, dx, dw = _run(hidden, weight, targets, dtype, 3.0, cast_first=False, **kwargs)
+    weight_sums = [c for c in calls if c[0] == (V, H)]
+    monkeypatch.setattr(products, "accumulate", original)
+    _, _, dw_c = _run(hidden, weight, targets, dtype, 3.0, cast_first=True, **kwargs)
+
+    h = hidden.to(dtype).double().requires_grad_(True)
+    w = weight.to(dtype).double().requires_grad_(True)
+    (3.0 * F.cross_entropy(h @ w.T, targets, weight=class_weight.double())).backward()
+    assert dw.dtype == torch.float32
+    err, err_cast = rel_err(dw, w.grad), rel_err(dw_c, w.grad)
+    assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
+    assert rel_err(dx, h.grad) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+    if dtype == torch.bfloat16 or strategy == "recompute":
+        assert len(weight_sums) > 1, calls  # one a token chunk or block
+        assert [first for *_, first in weight_sums] == [True] + [False] * (len(weight_sums) - 1)
+        assert all(dt == torch.float32 for _, dt, _ in weight_sums)
+    else:
+        assert weight_sums == []  # fp16 chunks: each product applies its own chunk's factor
 
 
 def test_auto_takes_the_chunked_path_for_a_master_weight_at_any_n(monkeypatch):

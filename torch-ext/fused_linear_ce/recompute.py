@@ -212,7 +212,9 @@ class _Gradients:
             products.scale(self.dx_acc, self._factor(self.dx_deferred), out=self.grad_hidden)
 
     def finish_grad_weight(self) -> None:
-        if self.dw_acc is not None and self.dw_acc is not self.grad_weight:
+        """Rounds grad_weight's fp32 accumulator into it; an fp32 grad_weight summed unscaled (a
+        master weight's) gets its factor in place."""
+        if self.dw_acc is not None and (self.dw_acc is not self.grad_weight or self.dw_deferred):
             products.scale(self.dw_acc, self._factor(self.dw_deferred), out=self.grad_weight)
 
     def _factor(self, deferred: bool) -> torch.Tensor:
@@ -239,8 +241,9 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
 
     grad_hidden = dx_acc = grad_weight = dw_acc = None
     first_borrowed_row = v
+    dw_summed = need_dw and n > 0 and triton.cdiv(n, dw_pass.rows) > 1  # over token blocks
     if need_dw:
-        grad_weight, dw_acc = gradient((v, h), n > 0 and triton.cdiv(n, dw_pass.rows) > 1, dw_dtype or dtype)
+        grad_weight, dw_acc = gradient((v, h), dw_summed, dw_dtype or dtype)
         if n == 0:
             dw_acc.zero_()
     dx_lo = None
@@ -260,7 +263,10 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
         coef, unscale = losses.lift_fp16(coef, unscale, class_weight, opts.kernel_scales()[3], v_total)
     one = torch.ones((1,), dtype=torch.float32, device=where)
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
-    dw_deferred = need_dw and dw_acc is not grad_weight
+    # A master weight's fp32 gradient summed over token blocks is its own accumulator: the products
+    # sum into it unscaled (cuBLAS with an fp32 result, ``products.accumulate``), and
+    # ``finish_grad_weight`` applies the factor once, in place.
+    dw_deferred = need_dw and (dw_acc is not grad_weight or (dw_summed and dtype != torch.float32))
     return coef, _Gradients(grad_hidden, dx_acc, grad_weight, dw_acc, db_acc, unscale, dx_deferred, dw_deferred,
                             first_borrowed_row, one, dx_lo)
 
@@ -278,7 +284,10 @@ def _borrowed_pass(dlogits_of, g: _Gradients, hidden, weight, cols, need_db, sha
     clear, over = plan.borrowed_order(v, cols, g.first_borrowed_row)
 
     def weight_grad(da, col0, c):
-        products.product(da.t(), hidden, g.grad_weight[col0 : col0 + c], False, g.unscale)
+        if g.dw_deferred:  # a master weight's, unscaled (``finish_grad_weight``)
+            products.accumulate(da.t(), hidden, g.dw_acc[col0 : col0 + c], True)
+        else:
+            products.product(da.t(), hidden, g.grad_weight[col0 : col0 + c], False, g.unscale)
 
     for i, (col0, c) in enumerate(clear + over):
         da = dlogits_of.block(dlogits, dbias, 0, n, col0, c, need_db)
