@@ -176,17 +176,37 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
     when given; returns da (``e`` itself)."""
     r, v = e.shape
     _, _, softcap_out, grad_scale = opts.kernel_scales()
-    softmax_gradient_kernel[(triton.cdiv(r, cfg.block_n), triton.cdiv(v, cfg.block_v))](
+    entropy_grad = coef.shape[0] > 3
+    block_n, warps = gradient_rows(cfg, entropy_grad), gradient_warps(cfg, entropy_grad)
+    softmax_gradient_kernel[(triton.cdiv(r, block_n), triton.cdiv(v, cfg.block_v))](
         e, e, tile_stats, stats.lse2, coef, stats.z_target, targets,
         class_weight if class_weight is not None else coef, dbias if dbias is not None else coef,
         0, r, v, r, e.stride(0), e.stride(0), targets.stride(0), grad_scale, softcap_out,
         shard.offset if shard is not None else 0,
-        HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=coef.shape[0] > 3,
+        HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=entropy_grad,
         HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=dbias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(e.dtype),
-        num_warps=8 if not device.interpreted() else 1,
+        BLOCK_N=block_n, BLOCK_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(e.dtype),
+        num_warps=warps,
     )
     return e
+
+
+# The gradient kernel's programs (H200, bf16, S1's 8192 x 128256 chunk alone, 128-wide vocabulary
+# tiles; benchmarks/results/chunk_kernels/): without the entropy gradient the sweep's 128 rows and
+# 4 warps take 2.18 ms (8 warps 2.55, the copy of the chunk 0.98; 1-2 warps on 32-64 rows 2.13-2.23);
+# with it 128 rows spill into 6.26 ms at 8 warps and 3.76 at 4, where 32 rows with 8 warps take 3.21.
+def gradient_rows(cfg, entropy_grad: bool) -> int:
+    """Rows of a ``softmax_gradient_kernel`` program, and of its bias partial sums (``dbias``): the
+    sweep's row block, a quarter of it with the entropy gradient (each program keeps a tile of the
+    sweep's vocabulary width, so each row still has one tile max per tile)."""
+    return max(1, cfg.block_n // 4) if entropy_grad else cfg.block_n
+
+
+def gradient_warps(cfg, entropy_grad: bool) -> int:
+    """Warps of a ``softmax_gradient_kernel`` program: the sweep's, 8 with the entropy gradient."""
+    if device.interpreted():
+        return 1
+    return 8 if entropy_grad else cfg.num_warps
 
 
 @triton.jit

@@ -229,7 +229,8 @@ def token_backward_chunked(
         coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales()[3], v_total)
     cfg = configs.tiles("chunked", dtype, h)
     stats = sweep.RowStats(row[:2], row[2], None, None, None, None)
-    dbias = device.new((-(-n // cfg.block_n), v), torch.float32, where) if need_db else None
+    block_n = chunked.gradient_rows(cfg, coef.shape[0] > 3)  # the rows of its bias partial sums
+    dbias = device.new((-(-n // block_n), v), torch.float32, where) if need_db else None
     da = chunked.gradient_in_place(exps, tile_max, stats, coef, targets, None, dbias, opts, shard, cfg)
     grad_hidden, grad_weight, grad_bias = (hidden.new_empty((0,)) for _ in range(3))  # distinct outputs
     if need_dx:
@@ -243,7 +244,7 @@ def token_backward_chunked(
         products.product(da.t(), hidden, grad_weight, False, unscale)
     if need_db:
         acc = torch.zeros((v,), dtype=torch.float32, device=where)
-        products.add_bias_sums(acc, dbias, n, cfg.block_n, unscale)
+        products.add_bias_sums(acc, dbias, n, block_n, unscale)
         grad_bias = acc.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
 
