@@ -11,7 +11,8 @@ evaluation forward alone for ``eval``) as the median of ``--rounds`` interleaved
 fp32-logit reference (mean loss; ``none`` is the per-row loss summed over the counted rows).
 Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` (recompute path,
 64 MiB), ``none`` (reduction="none", the per-row upstream gradient path), ``chunked-whole``
-(chunked path in one chunk), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
+(chunked path in one chunk), ``sft-chunked`` / ``grpo-chunked`` (the same in one chunk), ``chunked-960M``, ``master`` / ``master-448M`` / ``master-recompute``
+(fp32 hidden and weight under ``torch.autocast(bfloat16)``: an fp32 master weight), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
 ``bench_logprobs.py``'s outputs; sft's loss is the mean NLL, so its errors are against the same
 reference; grpo's errors are against that reference too and only compare packages with each other).
 Prints a table last; writes ab.json under --out.
@@ -48,7 +49,15 @@ SETTINGS = {
     # per-token (fused_linear_logprobs), bench_logprobs.py's workloads at the default budget
     "sft": dict(outputs=WORKLOADS["sft"][0]),
     "grpo": dict(outputs=WORKLOADS["grpo"][0]),
+    "sft-chunked": dict(outputs=WORKLOADS["sft"][0], strategy="chunked", chunk_bytes=1 << 50),
+    "grpo-chunked": dict(outputs=WORKLOADS["grpo"][0], strategy="chunked", chunk_bytes=1 << 50),
+    "chunked-960M": dict(strategy="chunked", chunk_bytes=960 * MiB),
+    # an fp32 weight and fp32 hidden states under torch.autocast(bfloat16): a master weight
+    "master": dict(),
+    "master-448M": dict(chunk_bytes=448 * MiB),
+    "master-recompute": dict(strategy="recompute"),
 }
+MASTER = ("master", "master-448M", "master-recompute")
 
 
 def load_copy(name, path):
@@ -71,14 +80,24 @@ def runner(package, setting, hidden, weight, targets):
         return run, None, None
     h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
     kwargs = SETTINGS[setting]
+    if setting in MASTER:
+        h, w = hidden.float().requires_grad_(True), weight.float().requires_grad_(True)
+
+        def run():
+            h.grad = w.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = package.fused_linear_cross_entropy(h, w, targets, **kwargs)
+            loss.backward()
+
+        return run, h, w
     counted = (targets != -100).sum()
-    if setting in ("sft", "grpo"):  # bench_logprobs.py's losses: sft the mean NLL (make_data ignores no row)
+    if setting.split("-")[0] in ("sft", "grpo"):  # bench_logprobs.py's losses: sft the mean NLL (make_data ignores no row)
         adv = torch.randn(targets.shape, generator=torch.Generator(targets.device).manual_seed(1),
                           device=targets.device)
 
         def run():
             h.grad = w.grad = None
-            workload_loss(setting, package.fused_linear_logprobs(h, w, targets, **kwargs), adv).backward()
+            workload_loss(setting.split("-")[0], package.fused_linear_logprobs(h, w, targets, **kwargs), adv).backward()
 
         return run, h, w
 
