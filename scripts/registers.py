@@ -11,6 +11,7 @@ Usage:
     python3 scripts/registers.py            # a table
     python3 scripts/registers.py --json     # one JSON list on stdout
     python3 scripts/registers.py --matmul 128,256,64,8,8,3 128,128,64,8,4,3   # matmul candidates
+    python3 scripts/registers.py --unaligned  # without the divisibility hints a launch at real shapes gets
 
 Runs the compiler, not the interpreter: TRITON_INTERPRET must be unset (this script refuses otherwise).
 """
@@ -47,6 +48,11 @@ class Case:
     num_stages: int
     c_dtype: str = "*bf16"  # matmul_kernel's c_ptr
     lo_dtype: str = "bf16"  # matmul_kernel's lo_ptr / lo_desc element, used when COMPENSATED
+    # Every pointer and integer argument marked divisible by 16, as a launch at the package's shapes
+    # specialises them (16-byte aligned buffers; N, H, V, strides and offsets multiples of 16). Without
+    # the hints a pointer kernel compiles for unaligned accesses: the chunked gradient kernel with 32
+    # registers and 4.5-6 KB of stack, where a real launch gets no spill.
+    divisible: bool = True
 
 
 def cases() -> list[Case]:
@@ -83,6 +89,18 @@ def cases() -> list[Case]:
                          A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=cfg.split_pair),
                     dict(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=c_block),
                     cfg.num_warps, cfg.num_stages, lo_dtype=lo_dtype)
+
+    def gradient(name, entropy_grad, bias_grad, rows=None, warps=None):
+        """The chunked path's in-place gradient kernel (pointer loads) as ``chunked.gradient_in_place``
+        launches it: the sweep's vocabulary tiles, ``gradient_rows`` / ``gradient_warps`` unless given."""
+        from fused_linear_ce import chunked as chunked_module
+
+        rows = rows or chunked_module.gradient_rows(chunked, entropy_grad)
+        warps = warps or (8 if entropy_grad else chunked.num_warps)  # gradient_warps off the interpreter
+        return Case(name, "softmax_gradient_kernel", "chunked",
+                    dict(HAS_SOFTCAP=False, SMOOTHING=False, ENTROPY_GRAD=entropy_grad, HAS_CLASS_WEIGHT=False,
+                         BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked.block_v, BF16_EMULATION=False),
+                    {}, warps, 1)
 
     return [
         Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
@@ -121,6 +139,12 @@ def cases() -> list[Case]:
         pair("matmul, compensated int8", mm, A_T=False, lo_dtype="i8"),
         pair("matmul, paired rows", pr, A_T=False, lo_dtype="i8"),
         pair("matmul, compensated int8, unsplit", dataclasses.replace(mm, split_pair=False), A_T=False, lo_dtype="i8"),
+        gradient("chunked gradient", entropy_grad=False, bias_grad=False),
+        gradient("chunked gradient, bias gradient", entropy_grad=False, bias_grad=True),
+        gradient("chunked gradient, entropy gradient", entropy_grad=True, bias_grad=False),
+        gradient("chunked gradient, entropy and bias gradients", entropy_grad=True, bias_grad=True),
+        gradient("chunked gradient, entropy gradient, the sweep's rows", entropy_grad=True, bias_grad=False,
+                 rows=chunked.block_n, warps=8),
         Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
@@ -203,7 +227,10 @@ def compile_case(case: Case, workdir: Path) -> dict:
     from fused_linear_ce import configs
 
     fn = getattr(importlib.import_module(f"fused_linear_ce.{case.module}"), case.kernel)
-    src = ASTSource(fn=fn, signature=_signature(fn, case),
+    signature = _signature(fn, case)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if case.divisible and (signature[arg].startswith("*") or signature[arg] == "i32")}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in case.constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=case.num_warps, num_stages=case.num_stages,
@@ -223,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--matmul", nargs="+", metavar="BM,BP,BK,GM,WARPS,STAGES",
                     help="instead of the shipped kernels: the matmul's uses at these candidate configs")
+    ap.add_argument("--unaligned", action="store_true",
+                    help="no divisibility hints (a launch with unaligned buffers or sizes that are not multiples of 16)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("registers.py compiles for sm_90: unset TRITON_INTERPRET", file=sys.stderr)
@@ -231,6 +260,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         chosen = [c for spec in args.matmul for c in matmul_cases(spec)] if args.matmul else cases()
+        if args.unaligned:
+            chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
         rows = [compile_case(case, Path(tmp)) for case in chosen]
     if args.json:
         print(json.dumps(rows))

@@ -22,7 +22,15 @@ tensor descriptors: held at 0, where its pointer epilogue (two 2-D tiles of 16-b
 spills ~3100 bytes, reported. With an int8 remainder (the recompute path's long-context
 grad_hidden, ``BackwardPlan.paired``; the chunked path's weight gradient): 104 bytes while the
 epilogue held the whole tile's old pair beside the accumulator ("matmul, compensated int8, unsplit",
-reported); on the tile's two column halves in turn (the configs' ``split_pair``, NOTES v21), 0, held."""
+reported); on the tile's two column halves in turn (the configs' ``split_pair``, NOTES v21), 0, held.
+
+Since v22 every pointer and integer argument is compiled as divisible by 16, as a launch at the
+package's shapes specialises them (without the hints, ``--unaligned``, the figures are those of
+unaligned buffers). With them the ragged sweep's 40 bytes and the dlogits bias gradient's 96 are 0,
+held; the strided pointer epilogue ("matmul, pointers") takes 184 where it took 88, held there; and the
+chunked path's in-place gradient kernel (pointer loads, not reported before: 4.5-6 KB of stack
+without the hints) spills nothing in its shipped programs, with and without the entropy and bias
+gradients, held at 0."""
 
 import json
 import os
@@ -35,10 +43,12 @@ import triton
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-HELD = {"sweep": 0, "sweep, ragged V": 40, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
-        "dlogits, bias gradient": 96, "matmul, da^T, compensated": 0, "matmul, compensated int8": 0, "matmul, da^T, compensated int8": 0,
-        "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 88,
-        "matmul, paired rows": 0, "sweep, every per-token field": 0, "dlogits, entropy gradient": 0}
+HELD = {"sweep": 0, "sweep, ragged V": 0, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
+        "dlogits, bias gradient": 0, "matmul, da^T, compensated": 0, "matmul, compensated int8": 0, "matmul, da^T, compensated int8": 0,
+        "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 184,
+        "matmul, paired rows": 0, "sweep, every per-token field": 0, "dlogits, entropy gradient": 0,
+        "chunked gradient": 0, "chunked gradient, bias gradient": 0, "chunked gradient, entropy gradient": 0,
+        "chunked gradient, entropy and bias gradients": 0}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +66,7 @@ def test_every_hot_kernel_compiles_for_sm90_within_the_register_file(usage):
     assert set(HELD) <= set(usage)
     for name, row in usage.items():
         assert 0 < row["registers"] <= 255, name
-        assert 0 < row["shared"] <= 227 * 1024, name  # an H100/H200 block's shared memory
+        assert 0 <= row["shared"] <= 227 * 1024, name  # an H100/H200 block's shared memory (none without reductions)
 
 
 @pytest.mark.parametrize("name", list(HELD))
