@@ -24,22 +24,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import versions  # noqa: E402 - before triton: sets TRITON_INTERPRET=1 without a GPU
+from experiment_common import timed  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
 from fused_linear_ce import chunked, configs, device, products  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def timed(fn):
-    if DEVICE.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def dx_rows(args, h, v, record):
@@ -61,7 +55,7 @@ def dx_rows(args, h, v, record):
             run()
             got = out.double() * (0.5 if name == "cublas-bf16" else 1.0)
             record(dict(part="dx", rows=r, method=name, tiles=tiles, wave_fill=tiles / (waves * sms),
-                        rel_err=((got - exact).norm() / exact.norm()).item(), ms=timed(run)))
+                        rel_err=((got - exact).norm() / exact.norm()).item(), ms=timed(run, rep=200)))
         del da, out, exact
 
 
@@ -100,8 +94,8 @@ def gradient_warps(args, record):
                     buf.copy_(e0)  # the kernel works in place: each call from the same exponentials
                     chunked.gradient_in_place(buf, tile_max, stats, coef, targets, None, None, opts, None, rows_cfg)
 
-                row["ms"] = timed(run)
-                row["copy_ms"] = timed(lambda: buf.copy_(e0))
+                row["ms"] = timed(run, rep=200)
+                row["copy_ms"] = timed(lambda: buf.copy_(e0), rep=200)
             except Exception as exc:
                 row = dict(part="gradient", fields=fields, warps=warps, block_n=block_n, error=f"{type(exc).__name__}: {str(exc)[:200]}")
             finally:

@@ -3,6 +3,7 @@ extra memory, and per-kernel times of one step. Inputs and the error measure are
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +37,16 @@ def parse_args(shapes, extra=None):
     if extra is not None:
         extra(ap)
     return ap.parse_args()
+
+
+def timed(fn, rep=100):
+    """Median ms of ``fn()``: ``triton.testing.do_bench`` on the GPU; one wall-clock call elsewhere
+    (a smoke run only)."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def liger_loss(targets):

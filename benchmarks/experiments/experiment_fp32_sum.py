@@ -27,22 +27,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import versions  # noqa: E402 - before triton: sets TRITON_INTERPRET=1 without a GPU
+from experiment_common import timed  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
 from fused_linear_ce import products  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def timed(fn):
-    if DEVICE.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def methods(da, x, unscale):

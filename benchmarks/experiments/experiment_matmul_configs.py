@@ -28,22 +28,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import versions  # noqa: E402 - before triton: sets TRITON_INTERPRET=1 without a GPU
+from experiment_common import timed  # noqa: E402
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
 from fused_linear_ce import configs, products  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def timed(fn):
-    """Median ms: do_bench on the GPU; one wall-clock call on the CPU (a smoke run only)."""
-    if DEVICE.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 # (block_m, block_p, block_k, group_m, num_warps, num_stages, {switches}); the first is the shipped
 # one, against which every other is checked. Run 1 (NOTES v20, ``results/matmul/run1.json``, whose

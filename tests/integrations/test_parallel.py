@@ -183,8 +183,10 @@ def _master_run(api, hidden, weight, targets, group=None):
     path, and the gradients."""
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        if api == "loss":
-            out = fused_linear_cross_entropy(h, w, targets, process_group=group)
+        if api.startswith("loss"):
+            # "loss-chunks": several chunks, whose weight gradient is summed unscaled and scaled once
+            chunk_bytes = 16 * weight.shape[0] * 2 if api == "loss-chunks" else None
+            out = fused_linear_cross_entropy(h, w, targets, process_group=group, chunk_bytes=chunk_bytes)
         else:
             fields = fused_linear_logprobs(h, w, targets, outputs=("log_probs", "entropy"), process_group=group,
                                            strategy="recompute")
@@ -213,7 +215,7 @@ def _master_worker(rank, world, port, api):
     _exit_cleanly()
 
 
-@pytest.mark.parametrize("api", ["loss", "per-token"])
+@pytest.mark.parametrize("api", ["loss", "loss-chunks", "per-token"])
 def test_an_fp32_master_weight_on_vocabulary_shards_equals_the_whole(api):
     _spawn(_master_worker, 2, api)
 

@@ -283,11 +283,10 @@ def _borrowed_pass(dlogits_of, g: _Gradients, hidden, weight, cols, need_db, sha
     dbias = device.new((triton.cdiv(n, block_n), v), torch.float32, hidden.device) if need_db else None
     clear, over = plan.borrowed_order(v, cols, g.first_borrowed_row)
 
+    assert not g.dw_deferred  # each block's grad_weight is complete in one product (all N rows)
+
     def weight_grad(da, col0, c):
-        if g.dw_deferred:  # a master weight's, unscaled (``finish_grad_weight``)
-            products.accumulate(da.t(), hidden, g.dw_acc[col0 : col0 + c], True)
-        else:
-            products.product(da.t(), hidden, g.grad_weight[col0 : col0 + c], False, g.unscale)
+        products.product(da.t(), hidden, g.grad_weight[col0 : col0 + c], False, g.unscale)
 
     for i, (col0, c) in enumerate(clear + over):
         da = dlogits_of.block(dlogits, dbias, 0, n, col0, c, need_db)
