@@ -78,9 +78,17 @@ def test_fp32_weight_gradient_is_fp32_and_at_least_as_exact_as_casting_first(dty
     assert rel_err(dx, ref_dx) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
 
 
+# (the first chunk's targets' class weight, the others', other options): the largest B in the first
+# chunk only, by 4x and by 10^6; "sum" with label smoothing, whose B is (1 - eps) w[t] and whose factor
+# is the upstream gradient itself.
+FACTOR_CASES = {"mean": (2.0, 0.5, {}), "wide": (1e3, 1e-3, {}),
+                "sum-smoothed": (2.0, 0.5, dict(reduction="sum", label_smoothing=0.1))}
+
+
+@pytest.mark.parametrize("case", FACTOR_CASES)
 @pytest.mark.parametrize("strategy", ["chunked", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_weight_gradient_summed_over_token_blocks_gets_its_factor_once(monkeypatch, dtype, strategy):
+def test_weight_gradient_summed_over_token_blocks_gets_its_factor_once(monkeypatch, dtype, strategy, case):
     """With bf16 products, a master weight's dW summed over token chunks (chunked path) or token
     blocks (recompute path) goes through ``products.accumulate`` unscaled (cuBLAS with an fp32 result
     on the GPU), the first product writing, the rest adding, and is scaled once at the end; so every
@@ -88,9 +96,10 @@ def test_weight_gradient_summed_over_token_blocks_gets_its_factor_once(monkeypat
     chunk's own ``losses.normalize`` divisor would differ) check that it does: dW stays strictly
     closer to float64 than casting first, as with fp16, whose chunked products keep applying each
     chunk's factor (its lift out of the subnormals is per chunk)."""
+    first, rest, options = FACTOR_CASES[case]
     hidden, weight, targets = _problem()
-    class_weight = torch.full((V,), 0.5)
-    class_weight[targets[:64].clamp(min=0)] = 2.0  # the first chunk's rows weigh more than the rest's
+    class_weight = torch.full((V,), rest)
+    class_weight[targets[:64].clamp(min=0)] = first  # the first chunk's rows weigh more than the rest's
     class_weight = class_weight.to(DEVICE)
     calls = []
     original = products.accumulate
@@ -101,7 +110,7 @@ def test_weight_gradient_summed_over_token_blocks_gets_its_factor_once(monkeypat
 
     monkeypatch.setattr(products, "accumulate", spy)
     budget = 64 * V * 2  # several 64-row chunks; on the recompute path a token plan (fp16, a master weight)
-    kwargs = dict(strategy=strategy, chunk_bytes=budget, class_weight=class_weight)
+    kwargs = dict(strategy=strategy, chunk_bytes=budget, class_weight=class_weight, **options)
     if strategy == "recompute" and dtype == torch.bfloat16:
         kwargs["chunk_bytes"] = 64 * V * 2 + 4 * N * H  # no room for the pair: the master weight's token plan
     _, dx, dw = _run(hidden, weight, targets, dtype, 3.0, cast_first=False, **kwargs)
@@ -111,7 +120,7 @@ def test_weight_gradient_summed_over_token_blocks_gets_its_factor_once(monkeypat
 
     h = hidden.to(dtype).double().requires_grad_(True)
     w = weight.to(dtype).double().requires_grad_(True)
-    (3.0 * F.cross_entropy(h @ w.T, targets, weight=class_weight.double())).backward()
+    (3.0 * F.cross_entropy(h @ w.T, targets, weight=class_weight.double(), **options)).backward()
     assert dw.dtype == torch.float32
     err, err_cast = rel_err(dw, w.grad), rel_err(dw_c, w.grad)
     assert err < 0.85 * err_cast, f"master {err:.2e} against cast-first {err_cast:.2e}"
