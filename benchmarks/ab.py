@@ -91,13 +91,14 @@ def runner(package, setting, hidden, weight, targets):
 
         return run, h, w
     counted = (targets != -100).sum()
-    if setting.split("-")[0] in ("sft", "grpo"):  # bench_logprobs.py's losses: sft the mean NLL (make_data ignores no row)
+    workload = setting.split("-")[0]  # sft-chunked: the sft workload
+    if workload in ("sft", "grpo"):  # bench_logprobs.py's losses: sft the mean NLL (make_data ignores no row)
         adv = torch.randn(targets.shape, generator=torch.Generator(targets.device).manual_seed(1),
                           device=targets.device)
 
         def run():
             h.grad = w.grad = None
-            workload_loss(setting.split("-")[0], package.fused_linear_logprobs(h, w, targets, **kwargs), adv).backward()
+            workload_loss(workload, package.fused_linear_logprobs(h, w, targets, **kwargs), adv).backward()
 
         return run, h, w
 

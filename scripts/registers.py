@@ -96,7 +96,7 @@ def cases() -> list[Case]:
         from fused_linear_ce import chunked as chunked_module
 
         rows = rows or chunked_module.gradient_rows(chunked, entropy_grad)
-        warps = warps or (8 if entropy_grad else chunked.num_warps)  # gradient_warps off the interpreter
+        warps = warps or chunked_module.gradient_warps(chunked, entropy_grad)  # never interpreted here
         return Case(name, "softmax_gradient_kernel", "chunked",
                     dict(HAS_SOFTCAP=False, SMOOTHING=False, ENTROPY_GRAD=entropy_grad, HAS_CLASS_WEIGHT=False,
                          BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked.block_v, BF16_EMULATION=False),

@@ -212,10 +212,10 @@ class _Gradients:
             products.scale(self.dx_acc, self._factor(self.dx_deferred), out=self.grad_hidden)
 
     def finish_grad_weight(self) -> None:
-        """Rounds grad_weight's fp32 accumulator into it; an fp32 grad_weight summed unscaled (a
-        master weight's) gets its factor in place."""
-        if self.dw_acc is not None and (self.dw_acc is not self.grad_weight or self.dw_deferred):
-            products.scale(self.dw_acc, self._factor(self.dw_deferred), out=self.grad_weight)
+        """Applies the factor to grad_weight's unscaled fp32 sum over token blocks and rounds it into
+        grad_weight (in place when the sum is grad_weight itself: a master weight's)."""
+        if self.dw_deferred:
+            products.scale(self.dw_acc, self._factor(True), out=self.grad_weight)
 
     def _factor(self, deferred: bool) -> torch.Tensor:
         return self.unscale if deferred and self.unscale is not None else self.one
@@ -263,10 +263,10 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
         coef, unscale = losses.lift_fp16(coef, unscale, class_weight, opts.kernel_scales()[3], v_total)
     one = torch.ones((1,), dtype=torch.float32, device=where)
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
-    # A master weight's fp32 gradient summed over token blocks is its own accumulator: the products
-    # sum into it unscaled (cuBLAS with an fp32 result, ``products.accumulate``), and
-    # ``finish_grad_weight`` applies the factor once, in place.
-    dw_deferred = need_dw and (dw_acc is not grad_weight or (dw_summed and dtype != torch.float32))
+    # A grad_weight summed over token blocks from 16-bit products is summed unscaled in fp32 (cuBLAS
+    # with an fp32 result, ``products.accumulate``): in its own fp32 buffer, or in itself for a master
+    # weight; ``finish_grad_weight`` applies the factor once.
+    dw_deferred = dw_summed and dtype != torch.float32
     return coef, _Gradients(grad_hidden, dx_acc, grad_weight, dw_acc, db_acc, unscale, dx_deferred, dw_deferred,
                             first_borrowed_row, one, dx_lo)
 
