@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "torch-ext"))
 _FP32_PTRS = {"stats_ptr", "lse_ptr", "coef_ptr", "class_weight_ptr", "dbias_ptr", "scale_ptr", "tile_max_ptr",
               "z_target_ptr"}
 _INT_PTRS = {"targets_ptr": "*i64", "argmax_ptr": "*i32"}
-_FLOATS = {"logit_scale", "softcap", "softcap_out", "grad_scale"}
+_FLOATS = {"logit_scale", "softcap", "softcap_out", "grad_scale", "scale"}
 
 
 @dataclass(frozen=True)
@@ -188,11 +188,42 @@ def matmul_cases(spec: str) -> list[Case]:
     return out
 
 
+def pingpong_cases() -> list[Case]:
+    """The Hopper ping-pong sweep (``pingpong.py``, Gluon) at its shipped config, where this Triton
+    has Gluon: skipping wholly ignored row blocks (the per-token default) and not (a returned lse)."""
+    from fused_linear_ce import configs, pingpong
+
+    if not pingpong.HAVE_GLUON:
+        return []
+    cfg = configs.pingpong(2048)
+    descs = {"h_desc": [cfg.block_n, cfg.block_k], "w_desc": [cfg.block_v, cfg.block_k]}
+    base = dict(STAGES=cfg.stages, SKIP_IGNORED=True, CONSUMER_REGS=cfg.consumer_regs,
+                LOADER_REGS=cfg.loader_regs, num_warps=4)
+    return [Case("pingpong sweep", "pingpong_sweep_kernel", "pingpong", base, descs, 4, 1),
+            Case("pingpong sweep, every block", "pingpong_sweep_kernel", "pingpong", dict(base, SKIP_IGNORED=False),
+                 descs, 4, 1)]
+
+
+def _gluon_descriptor_type(shape) -> str:
+    """The signature string of a Gluon tensor descriptor of ``shape`` blocks (bf16)."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+    desc = TensorDescriptor.from_tensor(torch.empty(512, 512, dtype=torch.bfloat16), shape, layout)
+    return native_specialize_impl(BaseBackend, desc, False, True, True)[0]
+
+
 def _signature(fn, case: Case) -> dict:
     sig = {}
     for arg in fn.arg_names:
         if arg in case.constexprs:
             sig[arg] = "constexpr"
+        elif arg in case.descriptors and case.module == "pingpong":
+            sig[arg] = _gluon_descriptor_type(case.descriptors[arg])
         elif arg in case.descriptors:
             rows, cols = case.descriptors[arg]
             elem = case.lo_dtype if arg == "lo_desc" else case.c_dtype[1:] if arg == "c_desc" else "bf16"
@@ -230,11 +261,18 @@ def compile_case(case: Case, workdir: Path) -> dict:
     signature = _signature(fn, case)
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if case.divisible and (signature[arg].startswith("*") or signature[arg] == "i32")}
-    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in case.constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                              options=dict(num_warps=case.num_warps, num_stages=case.num_stages,
-                                           enable_fp_fusion=configs.fp_fusion(None)))
+    if case.module == "pingpong":  # Gluon: its own source type; no fp-fusion option (explicit layouts)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=fn, signature=signature, attrs=attrs,
+                             constexprs={(fn.arg_names.index(k),): v for k, v in case.constexprs.items()})
+        options = dict(num_warps=case.num_warps)
+    else:
+        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in case.constexprs.items()})
+        options = dict(num_warps=case.num_warps, num_stages=case.num_stages,
+                       enable_fp_fusion=configs.fp_fusion(None))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
     cubin = workdir / "kernel.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -259,7 +297,7 @@ def main(argv=None) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        chosen = [c for spec in args.matmul for c in matmul_cases(spec)] if args.matmul else cases()
+        chosen = [c for spec in args.matmul for c in matmul_cases(spec)] if args.matmul else cases() + pingpong_cases()
         if args.unaligned:
             chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
         rows = [compile_case(case, Path(tmp)) for case in chosen]

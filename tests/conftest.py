@@ -133,6 +133,7 @@ GPU_STARTUP_S = 30  # interpreter, torch/CUDA/Triton import and collection, per 
 # backward planner (shape arithmetic, no kernel) and loading from the Hub cache (test_loader stays).
 GPU_TIER = {
     "test_gpu_scale.py": True,
+    "test_pingpong.py": True,
     "test_products.py": True,
     "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-bf16]",),
     "test_master_weight.py": ("test_extra_memory_is_the_weight_copy_and_the_chunk",),

@@ -22,9 +22,9 @@ from .plan import (  # re-exported
 )
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_PAIRED_BYTES", "ROLES", "BackwardPlan", "MatmulConfig", "TileConfig", "borrows_weight_grad",
-    "candidates", "chunk_budget", "chunk_rows", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
-    "matmul_config", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_PAIRED_BYTES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "borrows_weight_grad", "candidates", "chunk_budget", "chunk_rows", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
+    "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",
 ]
 
@@ -39,6 +39,21 @@ class TileConfig:
     num_stages: int
     resident: int = 1  # programs of these tiles one SM holds at once (shared memory, registers)
     tma: bool = True  # operands through TMA tensor descriptors where the layout allows (``tma_layout``)
+
+
+@dataclass(frozen=True)
+class PingpongConfig:
+    """The Hopper ping-pong sweep's tiles (``pingpong.py``): each consumer warpgroup's tile is
+    block_n x block_v (its fp32 accumulator 128 registers a thread at 64 x 256), block_k the K-step
+    of the ring's ``stages`` buffers; ``consumer_regs`` the registers a consumer thread may hold."""
+
+    max_h: int  # the bucket: hidden sizes up to this one
+    block_n: int = 64
+    block_v: int = 256
+    block_k: int = 64
+    stages: int = 4
+    consumer_regs: int = 232
+    loader_regs: int = 40  # the loader warp's (its warpgroup's) registers; the rest go to the consumers
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,19 @@ _TUNED = {
     "dlogits": ((None, "_GPU_DLOGITS"),),
 }
 ROLES = tuple(_TUNED)
+
+# The per-token sweep of log-probs alone as a ping-pong kernel on Hopper (``pingpong.py``), for H up
+# to max_h. H200, bf16, that forward side by side with the Triton sweep (``benchmarks/results/gluon/``,
+# NOTES v23): 16384 x 1024 x 151936 -12%, S3 (H = 2048) -16%, S2 (H = 2304) -4.5% (one round of two
+# within the other's spread), S1 (H = 4096) +6%: with a long K loop the Triton sweep's epilogue is a
+# small share and the 64 x 256 consumer tiles' products are slower than its 128 x 256 ones. 128 x 128
+# consumer tiles, 3-8 stages, 128-deep K steps and 2-4 vocabulary splits were slower at S1-S3.
+_GPU_PINGPONG = PingpongConfig(max_h=2048)
+
+
+def pingpong(h: int) -> PingpongConfig | None:
+    """The ping-pong sweep's tiles at hidden size ``h``, or None outside its bucket."""
+    return _GPU_PINGPONG if h <= _GPU_PINGPONG.max_h else None
 
 
 def tiles(role: str, dtype: torch.dtype, h: int | None = None) -> TileConfig:

@@ -25,6 +25,11 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability."""
+    return _capability(_index(device))
+
+
 def _index(device: torch.device) -> int:
     """A CUDA device's index (the current device when it has none)."""
     return device.index if device.index is not None else torch.cuda.current_device()

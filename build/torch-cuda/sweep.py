@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, device, parallel, plan
+from . import autotune, device, parallel, pingpong, plan
 from .logits import grouped_tile, logit_tile, round_to, softcap_grad
 from .validate import Options
 
@@ -111,7 +111,13 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     v = weight.shape[0]
     where = hidden.device
     metrics, smoothing, squares = sums(opts)  # smoothing: the SUM_Z plane
-    if cfg is None:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
+    # On Hopper at small H a per-token sweep of the lse and the target logit alone runs as a ping-pong
+    # kernel (``pingpong.py``, which says why only those); the chunked path's (e_out) and a caller's
+    # tiles (autotuning's candidates) stay here.
+    plain = (bool(opts.outputs) and not (metrics or smoothing or squares) and bias is None
+             and class_weight is None and opts.softcap is None)
+    hopper = e_out is None and cfg is None and pingpong.eligible(hidden, weight, plain)
+    if cfg is None and not hopper:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
         assert e_out is None, "the chunked path's sweep takes its tiles from the caller"
         cfg = autotune.tiles(
             "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
@@ -128,6 +134,31 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     if n == 0:
         return stats_out, None
 
+    if hopper:
+        stats, splits = pingpong.launch(
+            hidden, weight, targets, opts.kernel_scales()[0], offset, opts.ignore_index, skip_ignored(opts),
+            lambda row_blocks, tiles: plan.vocab_splits(row_blocks, tiles, where, resident=1))
+        argmax = stats
+    else:
+        stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg)
+    combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
+        stats, argmax, targets, lse2, z_target,
+        wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
+        argmax_out if metrics else argmax, squares_out if squares else z_target, n, v_total, offset, splits,
+        splits * n, targets.stride(0),
+        METRICS=metrics, SMOOTHING=smoothing, SQUARES=squares, BLOCK=_COMBINE_BLOCK, SPLIT_BLOCK=_COMBINE_SPLITS,
+    )
+    if shard is not None:
+        parallel.merge_stats(stats_out, shard, metrics)
+    return stats_out, stats
+
+
+def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, offset, e_out, cfg):
+    """``lse_sweep_kernel`` with ``cfg``'s tiles: (stats, argmax or stats, splits)."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    where = hidden.device
+    metrics, smoothing, squares = sums(opts)
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
@@ -163,16 +194,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.logit_flags(hidden.dtype),
     )
-    combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
-        stats, argmax, targets, lse2, z_target,
-        wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
-        argmax_out if metrics else argmax, squares_out if squares else z_target, n, v_total, offset, splits,
-        splits * n, targets.stride(0),
-        METRICS=metrics, SMOOTHING=smoothing, SQUARES=squares, BLOCK=_COMBINE_BLOCK, SPLIT_BLOCK=_COMBINE_SPLITS,
-    )
-    if shard is not None:
-        parallel.merge_stats(stats_out, shard, metrics)
-    return stats_out, stats
+    return stats, argmax, splits
 
 
 @triton.jit
