@@ -45,6 +45,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="S3,S3h1024,S1,S2")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workloads", default="log_probs,sft fields,loss,sft,grpo",
+                    help="comma-separated among: log_probs, sft fields, loss, sft, grpo")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from tune import problem
@@ -71,15 +73,42 @@ def main():
             hd, wd = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
             fused_linear_cross_entropy(hd, wd, targets).backward()
 
+        adv = torch.randn(n, device="cuda")
+
+        def per_token_step(grpo, chunk_bytes=None, trl=None):
+            outputs = ("log_probs", "entropy") if grpo else ("log_probs", "entropy", "is_top1")
+
+            def run():
+                hd, wd = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+                if trl is not None:  # TRL's head, a black box: (log_probs, entropy, ...) in its order
+                    lp, ent = trl.apply(hd, wd, None, targets, 1.0, 32768, None, 1.0, outputs[1:])[:2]
+                else:
+                    out = fused_linear_logprobs(hd, wd, targets, outputs=outputs, chunk_bytes=chunk_bytes)
+                    lp, ent = out["log_probs"], out["entropy"]
+                loss = -(lp * adv).mean() - 0.01 * ent.mean() if grpo else -lp.mean()
+                loss.backward()
+            return run
+
         work = {"log_probs fwd": logprobs(("log_probs",)),
                 "sft fields fwd": logprobs(("log_probs", "entropy", "is_top1")),
-                "loss fwd+bwd (default)": loss_step}
+                "loss fwd+bwd (default)": loss_step,
+                "sft fwd+bwd (default)": per_token_step(False),
+                "grpo fwd+bwd (default)": per_token_step(True),
+                "sft fwd+bwd (192 MiB)": per_token_step(False, 192 << 20),
+                "grpo fwd+bwd (192 MiB)": per_token_step(True, 192 << 20)}
+        work = {k: w for k, w in work.items() if k.split(" (")[0].split(" fwd")[0] in args.workloads.split(",")}
+        try:
+            from trl.kernels import ChunkedLogProbFunction as trl_head
+        except Exception:
+            trl_head = None
         for name, fn in work.items():
             runs = {"triton": switched(False, fn), "pingpong": switched(True, fn)}
-            times = interleaved(runs, rounds=args.rounds)
+            if trl_head is not None and "fwd+bwd" in name and not name.startswith("loss"):
+                runs["trl"] = per_token_step(name.startswith("grpo"), trl=trl_head)
+            times = interleaved(runs, rounds=args.rounds, rep=60 if "bwd" not in name else 400)
             row = dict(shape=shape, n=n, h=h, v=v, workload=name, matmul_ms=mm,
                        **{k: median(t) for k, t in times.items()}, rounds=times)
-            if name != "loss fwd+bwd (default)":
+            if "bwd" not in name:
                 a, b = runs["triton"](), runs["pingpong"]()
                 row["lp_err_triton"] = float((a["log_probs"][rows_ref].double() - lp_ref).abs().max())
                 row["lp_err_pingpong"] = float((b["log_probs"][rows_ref].double() - lp_ref).abs().max())
@@ -95,6 +124,7 @@ def main():
     print(f"{'shape':8} {'workload':24} {'mm':>6} {'triton':>7} {'pingpong':>8} {'change':>7}  notes")
     for r in rows:
         note = " ".join(f"{k}={r[k]:.1e}" for k in ("lp_err_triton", "lp_err_pingpong", "lp_max_diff") if k in r)
+        note += f" trl={r['trl']:.2f}" if "trl" in r else ""
         print(f"{r['shape']:8} {r['workload']:24} {r['matmul_ms']:6.2f} {r['triton']:7.2f} {r['pingpong']:8.2f} "
               f"{(r['pingpong'] / r['triton'] - 1) * 100:+6.1f}%  {note}")
 

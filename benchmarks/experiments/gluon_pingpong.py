@@ -15,7 +15,11 @@ Three partitions share the program's shared memory:
 Each consumer writes its own per-row statistics (max, sum of exp(z - max), target logit) as one
 split of ``stats`` (3, 2 x splits, N); the caller merges the splits.
 
-Only the reduced sweep (no bias, no softcap, no metrics) of 16-bit inputs on sm_90: an experiment.
+Only the reduced sweep (no bias, no softcap; metrics as an option) of 16-bit inputs on sm_90: an
+experiment, kept as measured in runs 1-4 (NOTES v23). Compiled with EVEN_V (V a multiple of BLOCK_V:
+S1, S2 at 256-column tiles) its consumers spill 240 bytes of registers, which slowed those shapes;
+the package's kernel (``torch-ext/fused_linear_ce/pingpong.py``) masks the last tile in a uniform
+branch at every V instead and spills nothing.
 """
 
 import torch

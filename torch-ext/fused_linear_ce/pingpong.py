@@ -23,8 +23,12 @@ slower, hence the bucket (``configs.pingpong``). Not the loss: its ``return_metr
 loss bit-identical, so both would have to come from here, and with the metrics' sums (entropy,
 argmax) in the epilogue this kernel measured slower than the Triton sweep at S3 (+3%; +69% in a
 version whose column indices the compiler rebuilt for every element); the loss step's own time
-moved within its spread (S3 65.2 / 68.9 ms against 64.8 / 65.2). Nor the per-token entropy or top-1,
-for the same measurement. The log-probs match the Triton sweep's to ~2e-6 (S1-S3), not bit for bit.
+moved within its spread (S3 65.2 / 68.9 ms against 64.8 / 65.2). Nor, yet, the per-token entropy
+and top-1: a later version with the argmax under a uniform branch and the exponentials' sums on the
+tile's two column halves measured faster (S3 SFT fields forward 18.0 -> 15.9 ms, the SFT step 65.4 ->
+63.8), but has not passed its GPU tests in its final form (``benchmarks/results/gluon/
+metrics_on_halves.patch``, NOTES v23). The log-probs match the Triton sweep's to ~2e-6 (S1-S3), not
+bit for bit.
 
 Each consumer writes its statistics as a split of its own (split 2 s + consumer), in the planes
 ``sweep.combine_kernel`` merges. No interpreter: the CPU tests check the rule and compile the kernel
