@@ -30,7 +30,11 @@ unaligned buffers). With them the ragged sweep's 40 bytes and the dlogits bias g
 held; the strided pointer epilogue ("matmul, pointers") takes 184 where it took 88, held there; and the
 chunked path's in-place gradient kernel (pointer loads, not reported before: 4.5-6 KB of stack
 without the hints) spills nothing in its shipped programs, with and without the entropy and bias
-gradients, held at 0."""
+gradients, held at 0.
+
+Since v23 the Hopper ping-pong sweep (``pingpong.py``, Gluon) is compiled here too, with and without
+skipping ignored blocks: held at 0. Specialised to a V that is a multiple of its 256-column tiles it
+spilled 240 bytes in its consumers; its last tile's mask in a uniform branch at every V took that to 0."""
 
 import json
 import os
