@@ -43,15 +43,29 @@ import triton
 
 from . import configs, device
 
-try:  # Gluon ships with Triton >= 3.5; without it every call takes the Triton sweep
+# Gluon is experimental: its API has changed between Triton releases (``warp_specialize``'s
+# arguments, the aggregates), so the kernel is used only with the releases it was tested on; with
+# any other Triton every call takes the Triton sweep.
+TESTED_TRITON = ((3, 6),)
+
+
+def triton_tested(version: str = triton.__version__) -> bool:
+    """Whether ``version`` (Triton's) is one this kernel was tested with (major.minor)."""
+    try:
+        return tuple(int(x) for x in version.split(".")[:2]) in TESTED_TRITON
+    except ValueError:
+        return False
+
+
+try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.language.core import _aggregate as aggregate
 
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - older Triton
+    HAVE_GLUON = triton_tested()
+except Exception:  # pragma: no cover - a Triton without Gluon, or without these parts of it
     HAVE_GLUON = False
 
 # FUSED_LINEAR_CE_PINGPONG=0 sends every call to the Triton sweep (A/B runs, or a way out of a

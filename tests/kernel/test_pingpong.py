@@ -35,6 +35,13 @@ def test_the_rule_takes_plain_16bit_calls_on_hopper_at_small_h(facts, expected):
         assert pingpong.rule((9, 0), torch.float16, 1024, plain=True, tma=True)
 
 
+def test_only_with_the_triton_releases_it_was_tested_on():
+    assert pingpong.triton_tested("3.6.0") and pingpong.triton_tested("3.6.1+git1234")
+    assert not pingpong.triton_tested("3.5.1") and not pingpong.triton_tested("3.7.0")
+    assert not pingpong.triton_tested("main")
+    assert pingpong.HAVE_GLUON == (pingpong.triton_tested() and hasattr(pingpong, "pingpong_sweep_kernel"))
+
+
 def test_never_on_the_cpu_or_the_interpreter():
     h = torch.randn(8, 64).bfloat16()
     assert not pingpong.eligible(h, torch.randn(32, 64).bfloat16(), True)
