@@ -132,8 +132,8 @@ _TUNED = {
 ROLES = tuple(_TUNED)
 
 # The per-token sweep of log-probs alone as a ping-pong kernel on Hopper (``pingpong.py``), for H up
-# to max_h. H200, bf16, that forward side by side with the Triton sweep (``benchmarks/results/gluon/``,
-# NOTES v23): 16384 x 1024 x 151936 -12%, S3 (H = 2048) -16%, S2 (H = 2304) -4.5% (one round of two
+# to max_h. H200, bf16, that forward side by side with the Triton sweep (``benchmarks/results/gluon/``):
+# 16384 x 1024 x 151936 -12%, S3 (H = 2048) -16%, S2 (H = 2304) -4.5% (one round of two
 # within the other's spread), S1 (H = 4096) +6%: with a long K loop the Triton sweep's epilogue is a
 # small share and the 64 x 256 consumer tiles' products are slower than its 128 x 256 ones. 128 x 128
 # consumer tiles, 3-8 stages, 128-deep K steps and 2-4 vocabulary splits were slower at S1-S3.

@@ -16,19 +16,15 @@ partitions sharing its shared memory:
 
 Which calls (``sweep.sweep`` and ``rule``): the per-token function's log-probs alone (a reference
 model's forward, and any call whose sweep carries the log-sum-exp and the target logit only), 16-bit,
-no bias or softcap, H <= 2048, compute capability 9.0. Measured (H200, bf16, NOTES v23,
+no bias or softcap, H <= 2048, compute capability 9.0. Measured (H200, bf16, ``benchmarks/NOTES.md``,
 ``benchmarks/results/gluon/``): that forward at S3 14.6-14.9 ms against 17.3-17.7 for the Triton
 sweep (cuBLAS 14.7), at 16384 x 1024 x 151936 7.9-8.1 against 8.9-9.1; at H = 4096 (S1) it is 6%
 slower, hence the bucket (``configs.pingpong``). Not the loss: its ``return_metrics`` must leave the
-loss bit-identical, so both would have to come from here, and with the metrics' sums (entropy,
-argmax) in the epilogue this kernel measured slower than the Triton sweep at S3 (+3%; +69% in a
-version whose column indices the compiler rebuilt for every element); the loss step's own time
-moved within its spread (S3 65.2 / 68.9 ms against 64.8 / 65.2). Nor, yet, the per-token entropy
-and top-1: a later version with the argmax under a uniform branch and the exponentials' sums on the
-tile's two column halves measured faster (S3 SFT fields forward 18.0 -> 15.9 ms, the SFT step 65.4 ->
-63.8), but has not passed its GPU tests in its final form (``benchmarks/results/gluon/
-metrics_on_halves.patch``, NOTES v23). The log-probs match the Triton sweep's to ~2e-6 (S1-S3), not
-bit for bit.
+loss bit-identical, so both would have to come from here, and the metrics' sums (entropy, argmax)
+are not in this kernel: kept on the whole tile they spill the consumers' registers, and the
+column-halves form that does not (``benchmarks/results/gluon/metrics_on_halves.patch``) has not run
+its GPU tests. The loss step's own time moved within its spread (S3 65.2 / 68.9 ms against 64.8 /
+65.2). The log-probs match the Triton sweep's to ~2e-6 (S1-S3), not bit for bit.
 
 Each consumer writes its statistics as a split of its own (split 2 s + consumer), in the planes
 ``sweep.combine_kernel`` merges. No interpreter: the CPU tests check the rule and compile the kernel
