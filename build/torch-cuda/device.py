@@ -51,7 +51,7 @@ def tma_hardware(device: torch.device) -> bool:
     and tested on; the interpreter runs the descriptors too (so the CPU tests cover them)."""
     if device.type != "cuda":
         return interpreted()
-    return torch.version.hip is None and _capability(_index(device))[0] >= 9
+    return torch.version.hip is None and capability(device)[0] >= 9
 
 
 def tma_layout(t: torch.Tensor) -> bool:

@@ -135,9 +135,8 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         return stats_out, None
 
     if hopper:
-        stats, splits = pingpong.launch(
-            hidden, weight, targets, opts.kernel_scales()[0], offset, opts.ignore_index, skip_ignored(opts),
-            lambda row_blocks, tiles: plan.vocab_splits(row_blocks, tiles, where, resident=1))
+        stats, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales()[0], offset, opts.ignore_index,
+                                        skip_ignored(opts))
         argmax = stats
     else:
         stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg)
@@ -162,9 +161,7 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
-        splits = plan.vocab_splits(n_blocks, n_tiles, where, resident=cfg.resident)
-        tiles_per_split = triton.cdiv(n_tiles, splits)
-        splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
+        splits, tiles_per_split = plan.tile_ranges(n_blocks, n_tiles, where, resident=cfg.resident)
     else:
         splits, tiles_per_split = n_tiles, 1
     # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz, + squares).

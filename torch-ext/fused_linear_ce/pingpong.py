@@ -37,7 +37,7 @@ import os
 import torch
 import triton
 
-from . import configs, device
+from . import configs, device, plan
 
 # Gluon is experimental: its API has changed between Triton releases (``warp_specialize``'s
 # arguments, the aggregates), so the kernel is used only with the releases it was tested on; with
@@ -89,10 +89,10 @@ def rule(capability: tuple[int, int], dtype: torch.dtype, h: int, *, plain: bool
             and configs.pingpong(h) is not None)
 
 
-def launch(hidden, weight, targets, tile_scale, offset: int, ignore_index: int, skip_ignored: bool, splits_for):
+def launch(hidden, weight, targets, tile_scale, offset: int, ignore_index: int, skip_ignored: bool):
     """Runs the ping-pong sweep; returns (stats (3, 2 S, N) fp32, 2 S): the per-split planes of
-    ``sweep.combine_kernel`` (row max, sum of exp(z - max), target logit). ``splits_for(row_blocks,
-    tiles)``: the vocabulary splits S (``plan.vocab_splits`` with one program per SM)."""
+    ``sweep.combine_kernel`` (row max, sum of exp(z - max), target logit), S the vocabulary splits
+    (``plan.tile_ranges``, one program per SM)."""
     n, h = hidden.shape
     v = weight.shape[0]
     cfg = configs.pingpong(h)
@@ -102,8 +102,7 @@ def launch(hidden, weight, targets, tile_scale, offset: int, ignore_index: int, 
     w_desc = GluonDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k],
                                          gl.NVMMASharedLayout.get_default_for([cfg.block_v, cfg.block_k], gdt))
     n_blocks, n_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(v, cfg.block_v)
-    per = triton.cdiv(n_tiles, splits_for(n_blocks, n_tiles))
-    splits = triton.cdiv(n_tiles, per)  # no split left without tiles
+    splits, per = plan.tile_ranges(n_blocks, n_tiles, hidden.device)
     stats = device.new((3, 2 * splits, n), torch.float32, hidden.device)
     pingpong_sweep_kernel[(n_blocks * splits,)](
         h_desc, w_desc, targets, stats, n, v, h, per, splits, targets.stride(0), tile_scale, offset, ignore_index,

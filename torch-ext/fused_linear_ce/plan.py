@@ -53,6 +53,13 @@ def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *,
     return _fewest_full_splits(max(1, n_row_blocks), max(1, n_vocab_tiles), sms * resident)
 
 
+def tile_ranges(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> tuple[int, int]:
+    """(splits, tiles per split) of a vocabulary sweep: ``vocab_splits``' count, with the tiles cut
+    into equal contiguous ranges and no split left without tiles."""
+    per = triton.cdiv(n_vocab_tiles, vocab_splits(n_row_blocks, n_vocab_tiles, device, resident=resident))
+    return triton.cdiv(n_vocab_tiles, per), per
+
+
 @functools.lru_cache(maxsize=256)
 def _fewest_full_splits(row_blocks: int, tiles: int, slots: int) -> int:
     best, best_eff = 1, 0.0
