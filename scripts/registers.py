@@ -199,7 +199,9 @@ def pingpong_cases() -> list[Case]:
     descs = {"h_desc": [cfg.block_n, cfg.block_k], "w_desc": [cfg.block_v, cfg.block_k]}
     base = dict(STAGES=cfg.stages, SKIP_IGNORED=True, CONSUMER_REGS=cfg.consumer_regs,
                 LOADER_REGS=cfg.loader_regs, num_warps=4)
+    base = dict(base, METRICS=False)
     return [Case("pingpong sweep", "pingpong_sweep_kernel", "pingpong", base, descs, 4, 1),
+            Case("pingpong sweep, metrics", "pingpong_sweep_kernel", "pingpong", dict(base, METRICS=True), descs, 4, 1),
             Case("pingpong sweep, every block", "pingpong_sweep_kernel", "pingpong", dict(base, SKIP_IGNORED=False),
                  descs, 4, 1)]
 

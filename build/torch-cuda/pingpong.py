@@ -14,22 +14,24 @@ partitions sharing its shared memory:
   exp(z - max) and target logit, in registers. A ``turn`` mbarrier pair orders their product loops,
   so that one consumer's epilogue runs under the other's products.
 
-Which calls (``sweep.sweep`` and ``rule``): the per-token function's log-probs alone (a reference
-model's forward, and any call whose sweep carries the log-sum-exp and the target logit only), 16-bit,
-no bias or softcap, H <= 2048, compute capability 9.0. Measured (H200, bf16, ``benchmarks/NOTES.md``,
-``benchmarks/results/gluon/``): that forward at S3 14.6-14.9 ms against 17.3-17.7 for the Triton
-sweep (cuBLAS 14.7), at 16384 x 1024 x 151936 7.9-8.1 against 8.9-9.1; at H = 4096 (S1) it is 6%
-slower, hence the bucket (``configs.pingpong``). Not the loss: its ``return_metrics`` must leave the
-loss bit-identical, so both would have to come from here, and the metrics' sums (entropy, argmax)
-are not in this kernel: kept on the whole tile they spill the consumers' registers, and the
-column-halves form that does not (``benchmarks/results/gluon/metrics_on_halves.patch``) has not run
-its GPU tests. The loss step's own time moved within its spread (S3 65.2 / 68.9 ms against 64.8 /
-65.2). The log-probs match the Triton sweep's to ~2e-6 (S1-S3), not bit for bit.
+Which calls (``sweep.sweep`` and ``rule``): the per-token function's sweeps (a reference model's
+log-probs; SFT's and GRPO's log-probs, entropy and top-1), 16-bit, no bias or softcap, H <= 2048,
+compute capability 9.0; label smoothing's and the squares' sums (mean_logits, log_sum_sq_probs) stay
+on the Triton sweep. Measured (H200, bf16, ``benchmarks/NOTES.md``, ``benchmarks/results/gluon/``):
+the log-probs forward at S3 14.6-14.9 ms against 17.3-17.7 for the Triton sweep (cuBLAS 14.7), at
+16384 x 1024 x 151936 7.9-8.1 against 8.9-9.1; at H = 4096 (S1) it is 6% slower, hence the bucket
+(``configs.pingpong``). The metrics' sums (the entropy's sum of exp(z - m) (z - m), the first argmax)
+run on the tile's two column halves in turn: on the whole tile, z, its exponentials and their
+products spill the consumers' registers; the argmax only on tiles where some row of the block finds
+a new largest logit. Without the metrics the sums take the same halves, so that asking for them
+leaves the log-sum-exp bit for bit the same. Not the loss: its step did not move beyond its spread
+(S3 65.2 / 68.9 ms against 64.8 / 65.2), and with and without ``return_metrics`` it stays on one
+sweep, the Triton one, whose log-probs this kernel's match to ~2e-6 (S1-S3), not bit for bit.
 
 Each consumer writes its statistics as a split of its own (split 2 s + consumer), in the planes
 ``sweep.combine_kernel`` merges. No interpreter: the CPU tests check the rule and compile the kernel
-for sm_90 (``tests/kernel/test_registers.py``: no spill); ``tests/kernel/test_pingpong.py`` runs it
-on an sm_90 GPU against float64 and the Triton sweep.
+for sm_90 (``tests/kernel/test_registers.py``: no spill; 16 bytes of stack with the metrics);
+``tests/kernel/test_pingpong.py`` runs it on an sm_90 GPU against float64 and the Triton sweep.
 """
 
 import os
@@ -89,10 +91,11 @@ def rule(capability: tuple[int, int], dtype: torch.dtype, h: int, *, plain: bool
             and configs.pingpong(h) is not None)
 
 
-def launch(hidden, weight, targets, tile_scale, offset: int, ignore_index: int, skip_ignored: bool):
-    """Runs the ping-pong sweep; returns (stats (3, 2 S, N) fp32, 2 S): the per-split planes of
-    ``sweep.combine_kernel`` (row max, sum of exp(z - max), target logit), S the vocabulary splits
-    (``plan.tile_ranges``, one program per SM)."""
+def launch(hidden, weight, targets, tile_scale, metrics: bool, offset: int, ignore_index: int, skip_ignored: bool):
+    """Runs the ping-pong sweep; returns (stats (3 or 5, 2 S, N) fp32, argmax (2 S, N) int32 or
+    ``stats``, 2 S): the per-split planes of ``sweep.combine_kernel`` (row max, sum of exp(z - max),
+    target logit; with ``metrics`` also the sum of exp(z - max) (z - max), the largest logit and its
+    class), S the vocabulary splits (``plan.tile_ranges``, one program per SM)."""
     n, h = hidden.shape
     v = weight.shape[0]
     cfg = configs.pingpong(h)
@@ -103,13 +106,14 @@ def launch(hidden, weight, targets, tile_scale, offset: int, ignore_index: int, 
                                          gl.NVMMASharedLayout.get_default_for([cfg.block_v, cfg.block_k], gdt))
     n_blocks, n_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(v, cfg.block_v)
     splits, per = plan.tile_ranges(n_blocks, n_tiles, hidden.device)
-    stats = device.new((3, 2 * splits, n), torch.float32, hidden.device)
+    stats = device.new((5 if metrics else 3, 2 * splits, n), torch.float32, hidden.device)
+    argmax = device.new((2 * splits, n), torch.int32, hidden.device) if metrics else stats
     pingpong_sweep_kernel[(n_blocks * splits,)](
-        h_desc, w_desc, targets, stats, n, v, h, per, splits, targets.stride(0), tile_scale, offset, ignore_index,
-        STAGES=cfg.stages, SKIP_IGNORED=skip_ignored, CONSUMER_REGS=cfg.consumer_regs,
-        LOADER_REGS=cfg.loader_regs, num_warps=4,
+        h_desc, w_desc, targets, stats, argmax, n, v, h, per, splits, targets.stride(0), tile_scale, offset,
+        ignore_index, STAGES=cfg.stages, METRICS=metrics, SKIP_IGNORED=skip_ignored,
+        CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, num_warps=4,
     )
-    return stats, 2 * splits
+    return stats, argmax, 2 * splits
 
 
 if HAVE_GLUON:
@@ -127,6 +131,7 @@ if HAVE_GLUON:
         turn: gl.shared_memory_descriptor
         targets_ptr: gl.tensor
         stats_ptr: gl.tensor
+        argmax_ptr: gl.tensor
         N: gl.tensor
         V: gl.tensor
         k_steps: gl.tensor
@@ -139,11 +144,13 @@ if HAVE_GLUON:
         scale: gl.tensor
         offset: gl.tensor
         live: gl.tensor
+        METRICS: gl.constexpr
         SKIP_IGNORED: gl.constexpr
 
         @gluon.constexpr_function
-        def __init__(self, h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, targets_ptr, stats_ptr, N, V,
-                     k_steps, row0, first, count, split, n_splits, stride_t, scale, offset, live, SKIP_IGNORED):
+        def __init__(self, h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, targets_ptr, stats_ptr, argmax_ptr,
+                     N, V, k_steps, row0, first, count, split, n_splits, stride_t, scale, offset, live, METRICS,
+                     SKIP_IGNORED):
             self.h_desc = h_desc
             self.w_desc = w_desc
             self.a_bufs = a_bufs
@@ -153,6 +160,7 @@ if HAVE_GLUON:
             self.turn = turn
             self.targets_ptr = targets_ptr
             self.stats_ptr = stats_ptr
+            self.argmax_ptr = argmax_ptr
             self.N = N
             self.V = V
             self.k_steps = k_steps
@@ -165,6 +173,7 @@ if HAVE_GLUON:
             self.scale = scale
             self.offset = offset
             self.live = live
+            self.METRICS = gl.constexpr(METRICS)
             self.SKIP_IGNORED = gl.constexpr(SKIP_IGNORED)
 
     @gluon.jit
@@ -205,6 +214,9 @@ if HAVE_GLUON:
         m = gl.full([BLOCK_N], float("-inf"), gl.float32, row_layout)
         s_sum = gl.zeros([BLOCK_N], gl.float32, row_layout)
         z_target = gl.zeros([BLOCK_N], gl.float32, row_layout)
+        pz = gl.zeros([BLOCK_N], gl.float32, row_layout)
+        best = gl.full([BLOCK_N], float("-inf"), gl.float32, row_layout)
+        best_idx = gl.zeros([BLOCK_N], gl.int32, row_layout)
         last = gl.cdiv(p.V, BLOCK_V) - 1
 
         for j in range((p.count - C + 1) // 2):
@@ -234,11 +246,41 @@ if HAVE_GLUON:
             # of registers in the consumers, this way none; scripts/registers.py).
             if vt == last:
                 z = gl.where((vt * BLOCK_V + lanes)[None, :] < p.V, z, float("-inf"))
-            m_new = gl.maximum(m, gl.max(z, axis=1))
+            tile_max = gl.max(z, axis=1)
+            m_new = gl.maximum(m, tile_max)
             alpha = gl.exp(m - m_new)
-            s_sum = s_sum * alpha + gl.sum(gl.exp(z - m_new[:, None]), axis=1)
             hit = lanes[None, :] == (target_col - vt * BLOCK_V)[:, None]
             z_target += gl.sum(gl.where(hit, z, 0.0), axis=1)
+            if p.METRICS:
+                # The first argmax, only on tiles where some row of the block finds a new largest
+                # logit (a uniform branch: after the first tiles most find none).
+                better = tile_max > best
+                if gl.max(better.to(gl.int32), axis=0) > 0:
+                    tile_arg = gl.min(gl.where(z == tile_max[:, None], lanes[None, :], BLOCK_V), axis=1)
+                    best_idx = gl.where(better, vt * BLOCK_V + tile_arg, best_idx)
+                    best = gl.where(better, tile_max, best)
+            # The sums of exp(z - m) (and exp(z - m) (z - m)) on the tile's two column halves in turn:
+            # with the metrics, d, e and e d of the whole tile beside z would not fit the consumer's
+            # registers (536-824 bytes of stack). Without them the same halves, so that the metrics'
+            # sums leave the log-sum-exp bit for bit the same.
+            halves = z.reshape([BLOCK_N, 2, BLOCK_V // 2]).permute((0, 2, 1)).split()
+            half_layout: gl.constexpr = halves[0].type.layout
+            m_h = gl.convert_layout(m_new, gl.SliceLayout(1, half_layout))
+            cols = gl.arange(0, BLOCK_V // 2, layout=gl.SliceLayout(0, half_layout))
+            e_sum = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, half_layout))
+            ed_sum = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, half_layout))
+            for k in gl.static_range(2):
+                d = halves[k] - m_h[:, None]
+                e = gl.exp(d)
+                e_sum += gl.sum(e, axis=1)
+                if p.METRICS:  # sum of exp(z - m) (z - m), moved to the new max (as the Triton sweep's)
+                    ed = e * d
+                    if vt == last:  # not 0 * -inf
+                        ed = gl.where((vt * BLOCK_V + k * (BLOCK_V // 2) + cols)[None, :] < p.V, ed, 0.0)
+                    ed_sum += gl.sum(ed, axis=1)
+            if p.METRICS:
+                pz = alpha * (pz + gl.where(s_sum > 0.0, (m - m_new) * s_sum, 0.0)) + gl.convert_layout(ed_sum, row_layout)
+            s_sum = s_sum * alpha + gl.convert_layout(e_sum, row_layout)
             m = m_new
 
         split = p.split * 2 + C
@@ -250,6 +292,10 @@ if HAVE_GLUON:
         gl.store(base, m, mask=mask_n)
         gl.store(base + plane, s_sum, mask=mask_n)
         gl.store(base + 2 * plane, z_target, mask=mask_n)
+        if p.METRICS:
+            gl.store(base + 3 * plane, pz, mask=mask_n)
+            gl.store(base + 4 * plane, best, mask=mask_n)
+            gl.store(p.argmax_ptr + split.to(gl.int64) * p.N + rows, best_idx, mask=mask_n)
 
     @gluon.jit
     def _consumer0(p):
@@ -260,8 +306,9 @@ if HAVE_GLUON:
         _consume(p, 1)
 
     @gluon.jit
-    def pingpong_sweep_kernel(h_desc, w_desc, targets_ptr, stats_ptr, N, V, H, tiles_per_split, n_splits, stride_t,
-                              scale, vocab_offset, ignore_index, STAGES: gl.constexpr, SKIP_IGNORED: gl.constexpr,
+    def pingpong_sweep_kernel(h_desc, w_desc, targets_ptr, stats_ptr, argmax_ptr, N, V, H, tiles_per_split, n_splits,
+                              stride_t, scale, vocab_offset, ignore_index, STAGES: gl.constexpr,
+                              METRICS: gl.constexpr, SKIP_IGNORED: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """One program: BLOCK_N rows x ``tiles_per_split`` vocabulary tiles; a 1-D grid with the splits
         fastest (the programs that run together share row blocks). Writes splits 2 s and 2 s + 1."""
@@ -292,11 +339,11 @@ if HAVE_GLUON:
             mbarrier.init(turn.index(c), count=1)
 
         # (integer arguments equal to 1 arrive as constexprs; the aggregate's fields are tensors)
-        p = _Program(h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, targets_ptr, stats_ptr,
+        p = _Program(h_desc, w_desc, a_bufs, b_bufs, ready, empty, turn, targets_ptr, stats_ptr, argmax_ptr,
                      gl.to_tensor(N), gl.to_tensor(V), gl.to_tensor(gl.cdiv(H, BLOCK_K)),
                      gl.to_tensor(pid_n * BLOCK_N), gl.to_tensor(first), gl.to_tensor(count), gl.to_tensor(pid_s),
                      gl.to_tensor(n_splits), gl.to_tensor(stride_t), gl.to_tensor(scale), gl.to_tensor(vocab_offset),
-                     gl.to_tensor(live), SKIP_IGNORED)
+                     gl.to_tensor(live), METRICS, SKIP_IGNORED)
         gl.warp_specialize([
             (_consumer0, (p,)),
             (_consumer1, (p,)),

@@ -17,6 +17,7 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and pingpong.HA
 on_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and Gluon (Triton >= 3.5)")
 DEV = "cuda"
 LOG_PROBS = Options(reduction="none", outputs=("log_probs",))  # what a reference model's forward asks
+SFT = Options(reduction="none", outputs=("log_probs", "entropy", "is_top1"))  # the metrics' sums too
 
 
 @pytest.mark.parametrize("facts, expected", [
@@ -25,7 +26,7 @@ LOG_PROBS = Options(reduction="none", outputs=("log_probs",))  # what a referenc
     (dict(capability=(10, 0)), False),  # Blackwell: no wgmma
     (dict(capability=(8, 0)), False),
     (dict(dtype=torch.float32), False),
-    (dict(plain=False), False),  # the loss, the metrics' sums, bias, softcap, class weights
+    (dict(plain=False), False),  # the loss, label smoothing's or the squares' sums, bias, softcap, class weights
     (dict(tma=False), False),  # a layout TMA descriptors cannot take
 ], ids=["hopper-bf16", "large-h", "blackwell", "ampere", "fp32", "not-plain", "no-tma"])
 def test_the_rule_takes_plain_16bit_calls_on_hopper_at_small_h(facts, expected):
@@ -79,7 +80,8 @@ def _inputs(n, h, v, dtype, seed=0):
 
 def _float64(hidden, weight, targets):
     z = hidden.double() @ weight.double().T
-    return torch.logsumexp(z, dim=1), z.gather(1, targets[:, None])[:, 0]
+    lse = torch.logsumexp(z, dim=1)
+    return lse, z.gather(1, targets[:, None])[:, 0], lse - (torch.exp(z - lse[:, None]) * z).sum(dim=1)
 
 
 @on_hopper
@@ -93,22 +95,39 @@ def _float64(hidden, weight, targets):
 def test_matches_float64_and_the_triton_sweep(dtype, n, h, v, splits, monkeypatch):
     hidden, weight, targets = _inputs(n, h, v, dtype)
     monkeypatch.setattr(plan, "vocab_splits", lambda *a, **k: splits)
-    gluon = _stats(hidden, weight, targets, LOG_PROBS, monkeypatch, True)
-    triton_ = _stats(hidden, weight, targets, LOG_PROBS, monkeypatch, False)
-    lse, zt = _float64(hidden, weight, targets)
+    gluon = _stats(hidden, weight, targets, SFT, monkeypatch, True)
+    triton_ = _stats(hidden, weight, targets, SFT, monkeypatch, False)
+    lse, zt, ent = _float64(hidden, weight, targets)
     for got in (gluon, triton_):
         assert (got.lse.double() - lse).abs().max() < 2e-5
         assert (got.z_target.double() - zt).abs().max() < 2e-5
-    # The same products in fp32: the two kernels agree far inside the float64 bound.
+        assert (got.entropy.double() - ent).abs().max() < 5e-5
+    # The same products in fp32: the two kernels agree far inside the float64 bound, and on the argmax.
     assert (gluon.lse - triton_.lse).abs().max() < 5e-6
     assert (gluon.z_target - triton_.z_target).abs().max() < 5e-6
+    assert torch.equal(gluon.argmax, triton_.argmax)
+    assert (gluon.best - triton_.best).abs().max() < 5e-6
+    # The metrics' sums change nothing else: the lse and target logit bit for bit without them.
+    plain = _stats(hidden, weight, targets, LOG_PROBS, monkeypatch, True)
+    assert torch.equal(plain.lse2, gluon.lse2) and torch.equal(plain.z_target, gluon.z_target)
 
 
 @on_hopper
-@pytest.mark.parametrize("opts", [Options(), Options(return_metrics=True), Options(outputs=("log_probs", "entropy")),
-                                  Options(outputs=("log_probs", "mean_logits"))],
-                         ids=["loss", "loss-metrics", "entropy", "mean-logits"])
-def test_the_loss_and_the_other_per_token_fields_stay_on_the_triton_sweep(opts, monkeypatch):
+def test_argmax_is_the_first_class_on_ties_across_consumers_and_splits(monkeypatch):
+    n, h, v = 64, 128, 1500
+    hidden, weight, targets = _inputs(n, h, v, torch.bfloat16)
+    for cls in (700, 300, 1290):  # tiles 2, 1, 5 of 256 columns: both consumers, and both splits
+        weight[cls] = 4 * hidden[0]  # one logit far above the rest of row 0, three times
+    monkeypatch.setattr(plan, "vocab_splits", lambda *a, **k: 2)
+    got = _stats(hidden, weight, targets, SFT, monkeypatch, True)
+    assert got.argmax[0].item() == 300
+
+
+@on_hopper
+@pytest.mark.parametrize("opts", [Options(), Options(return_metrics=True), Options(outputs=("log_probs", "mean_logits")),
+                                  Options(outputs=("log_probs", "log_sum_sq_probs"))],
+                         ids=["loss", "loss-metrics", "mean-logits", "log-sum-sq"])
+def test_the_loss_and_the_sums_only_the_triton_sweep_carries_stay_there(opts, monkeypatch):
     hidden, weight, targets = _inputs(256, 512, 2000, torch.bfloat16)
     monkeypatch.delenv("FUSED_LINEAR_CE_PINGPONG", raising=False)
     calls = _spy(monkeypatch)
@@ -135,25 +154,27 @@ def test_a_vocabulary_shard_and_ignored_blocks(monkeypatch):
 
 
 @on_hopper
-def test_the_per_token_log_probs_take_it_forward_and_backward(monkeypatch):
+def test_the_per_token_fields_take_it_forward_and_backward(monkeypatch):
     monkeypatch.delenv("FUSED_LINEAR_CE_PINGPONG", raising=False)
     calls = _spy(monkeypatch)
     hidden, weight, targets = _inputs(700, 1024, 5000, torch.bfloat16)
     targets[:100] = -100
     upstream = torch.randn(700, device=DEV)
     hd, wd = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    out = fused_linear_logprobs(hd, wd, targets, strategy="recompute")["log_probs"]
-    (out * upstream).sum().backward()
-    assert calls, "the per-token log-probs did not take the ping-pong sweep"
+    out = fused_linear_logprobs(hd, wd, targets, strategy="recompute", outputs=("log_probs", "entropy"))
+    (out["log_probs"] * upstream - 0.1 * out["entropy"]).sum().backward()
+    assert calls, "the per-token fields did not take the ping-pong sweep"
     hr, wr = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     z = hr @ wr.T
-    ref = (z.gather(1, targets.clamp(min=0)[:, None])[:, 0] - torch.logsumexp(z, dim=1)) * (targets != -100)
-    (ref * upstream).sum().backward()
     live = targets != -100
-    assert (out[live].double() - ref[live]).abs().max() < 2e-5
+    logp = z.log_softmax(dim=1)
+    ref_lp = logp.gather(1, targets.clamp(min=0)[:, None])[:, 0] * live
+    ref_ent = -(logp.exp() * logp).sum(dim=1) * live
+    (ref_lp * upstream - 0.1 * ref_ent).sum().backward()
+    assert (out["log_probs"][live].double() - ref_lp[live]).abs().max() < 2e-5
+    assert (out["entropy"][live].double() - ref_ent[live]).abs().max() < 5e-5
     assert rel_err(hd.grad, hr.grad) < 3e-3 and rel_err(wd.grad, wr.grad) < 3e-3
     calls.clear()
     with torch.no_grad():
-        fused_linear_logprobs(hidden, weight, targets, outputs=("log_probs", "entropy"))
-        fused_linear_cross_entropy(hidden, weight, targets)
-    assert not calls, "the entropy and the loss are the Triton sweep's"
+        fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)
+    assert not calls, "the loss is the Triton sweep's"

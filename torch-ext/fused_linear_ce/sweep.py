@@ -111,11 +111,11 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     v = weight.shape[0]
     where = hidden.device
     metrics, smoothing, squares = sums(opts)  # smoothing: the SUM_Z plane
-    # On Hopper at small H a per-token sweep of the lse and the target logit alone runs as a ping-pong
-    # kernel (``pingpong.py``, which says why only those); the chunked path's (e_out) and a caller's
-    # tiles (autotuning's candidates) stay here.
-    plain = (bool(opts.outputs) and not (metrics or smoothing or squares) and bias is None
-             and class_weight is None and opts.softcap is None)
+    # On Hopper at small H a per-token sweep (with the metrics' sums, without label smoothing's and the
+    # squares) runs as a ping-pong kernel (``pingpong.py``, which says why not the loss's); the chunked
+    # path's (e_out) and a caller's tiles (autotuning's candidates) stay here.
+    plain = (bool(opts.outputs) and not (smoothing or squares) and bias is None and class_weight is None
+             and opts.softcap is None)
     hopper = e_out is None and cfg is None and pingpong.eligible(hidden, weight, plain)
     if cfg is None and not hopper:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
         assert e_out is None, "the chunked path's sweep takes its tiles from the caller"
@@ -135,9 +135,8 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         return stats_out, None
 
     if hopper:
-        stats, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales()[0], offset, opts.ignore_index,
-                                        skip_ignored(opts))
-        argmax = stats
+        stats, argmax, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales()[0], metrics, offset,
+                                                opts.ignore_index, skip_ignored(opts))
     else:
         stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg)
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
