@@ -93,11 +93,13 @@ def fused_linear_cross_entropy(
             in group order; ``targets`` are global ids. Every rank gets the loss, metrics and lse of
             the whole vocabulary and the full ``hidden`` gradient (already all-reduced: do not reduce
             it again), and its own shard's weight and bias gradients. See ``parallel.py``.
-        chunk_bytes: the memory knob (default 256 MiB). On the recompute path, the most bytes the
+        chunk_bytes: the memory knob (default 192 MiB). On the recompute path, the most bytes the
             backward's gradient-of-logits blocks and fp32 accumulators take together, at any N: it
             walks the (N, V) plane in blocks of whole vocabulary rows or whole batch columns, in one
-            pass when an fp32 accumulator (N x H or V x H) fits in half the budget; else, for 16-bit
-            inputs with V >= 2N, in one pass with the N x H accumulator in grad_weight's own memory;
+            pass when an fp32 accumulator (N x H or V x H) fits in half the budget (for 16-bit
+            inputs, half of the N x H one lives in grad_hidden's own memory and is not counted);
+            else, for 16-bit inputs with V >= 2N, in one pass with the N x H accumulator in
+            grad_weight's own memory;
             else, for bf16 without a bias gradient or a vocabulary shard (long context), in one pass
             with grad_hidden summed as a pair, itself and an int8 N x H remainder (within 512 MiB
             when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096); else, for an

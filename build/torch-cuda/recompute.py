@@ -5,8 +5,9 @@ gradient da, then the two products per block (the math: ``logits.py`` and ``loss
 from fp32 logits recomputed tile by tile and the forward's log-sum-exp. ``products`` then runs
 grad_hidden[rows] (+)= da @ weight[cols] and grad_weight[cols] (+)= da^T @ hidden[rows] with fp32
 accumulation. The blocks and passes come from ``plan.plan_passes``: the ordinary block loop
-(``_block_passes``; for long context, one pass whose grad_hidden is summed as a bf16 + int8 pair,
-``products.compensated``), or one pass whose grad_hidden accumulator lives in grad_weight's own
+(``_block_passes``; one pass of vocabulary blocks whose fp32 grad_hidden accumulator is half hosted
+in grad_hidden's own memory; for long context, one pass whose grad_hidden is summed as a bf16 + int8
+pair, ``products.compensated``), or one pass whose grad_hidden accumulator lives in grad_weight's own
 memory (``_borrowed_pass``).
 """
 
@@ -199,16 +200,40 @@ class _Gradients:
     first_borrowed_row: int  # grad_weight's rows from here on hold the borrowed accumulator
     one: torch.Tensor  # fp32 (1,): the factor of a sum that is not deferred
     dx_lo: torch.Tensor | None = None  # the paired plan's int8 remainder of grad_hidden (products.compensated)
+    # A hosted accumulator (``BackwardPlan.hosted``): its first rows, an fp32 view of grad_hidden's
+    # own memory; ``dx_acc`` is then the rest (rows dx_hosted.shape[0] onwards).
+    dx_hosted: torch.Tensor | None = None
 
-    def finish_grad_hidden(self, shard) -> None:
-        """Sums grad_hidden over the shard's group, and rounds its fp32 accumulator into it."""
+    def accumulate_dx(self, da, weight_cols, first: bool) -> None:
+        """The fp32 accumulator (+)= da @ weight_cols, for all N rows (unscaled: deferred)."""
+        if self.dx_hosted is None:
+            products.accumulate(da, weight_cols, self.dx_acc, first)
+            return
+        split = self.dx_hosted.shape[0]
+        products.accumulate(da[:split], weight_cols, self.dx_hosted, first)
+        products.accumulate(da[split:], weight_cols, self.dx_acc, first)
+
+    def finish_grad_hidden(self, shard, scratch=None) -> None:
+        """Sums grad_hidden over the shard's group, and rounds its fp32 accumulator into it. A hosted
+        accumulator's rows are first copied into ``scratch`` (the spent da block), as grad_hidden's
+        rows overwrite them."""
         if self.dx_acc is None:
             return
+        parts = [self.dx_acc] if self.dx_hosted is None else [self.dx_hosted, self.dx_acc]
         if shard is not None:
-            if self.dx_acc.shape[0] == 0:
-                self.dx_acc.zero_()
-            parallel.all_reduce(self.dx_acc, shard)
-        if self.dx_acc is not self.grad_hidden:
+            for part in parts:
+                if part.shape[0] == 0:
+                    part.zero_()
+                parallel.all_reduce(part, shard)
+        if self.dx_hosted is not None:
+            split = self.dx_hosted.shape[0]
+            per = 4 // scratch.element_size()
+            hosted = scratch.view(-1)[: per * self.dx_hosted.numel()].view(torch.float32).view(self.dx_hosted.shape)
+            hosted.copy_(self.dx_hosted)
+            factor = self._factor(self.dx_deferred)
+            products.scale(hosted, factor, out=self.grad_hidden[:split])
+            products.scale(self.dx_acc, factor, out=self.grad_hidden[split:])
+        elif self.dx_acc is not self.grad_hidden:
             products.scale(self.dx_acc, self._factor(self.dx_deferred), out=self.grad_hidden)
 
     def finish_grad_weight(self) -> None:
@@ -246,8 +271,13 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
         grad_weight, dw_acc = gradient((v, h), dw_summed, dw_dtype or dtype)
         if n == 0:
             dw_acc.zero_()
-    dx_lo = None
-    if need_dx and borrowed:
+    dx_lo = dx_hosted = None
+    if need_dx and dx_pass.hosted:
+        grad_hidden = device.new((n, h), dtype, where)
+        split = plan.hosted_rows(n, dtype.itemsize)
+        dx_hosted = grad_hidden.view(-1)[: split * h * 4 // dtype.itemsize].view(torch.float32).view(split, h)
+        dx_acc = device.new((n - split, h), torch.float32, where)
+    elif need_dx and borrowed:
         grad_hidden = device.new((n, h), dtype, where)
         dx_acc, first_borrowed_row = _borrow_accumulator(grad_weight, n, h)
     elif need_dx and dx_pass.paired:  # summed as a pair: grad_hidden itself and an int8 remainder
@@ -267,8 +297,9 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     # with an fp32 result, ``products.accumulate``): in its own fp32 buffer, or in itself for a master
     # weight; ``finish_grad_weight`` applies the factor once.
     dw_deferred = dw_summed and dtype != torch.float32
+    assert dx_hosted is None or dx_deferred  # the hosted sum is one pass of vocabulary blocks, unscaled
     return coef, _Gradients(grad_hidden, dx_acc, grad_weight, dw_acc, db_acc, unscale, dx_deferred, dw_deferred,
-                            first_borrowed_row, one, dx_lo)
+                            first_borrowed_row, one, dx_lo, dx_hosted)
 
 
 def _borrowed_pass(dlogits_of, g: _Gradients, hidden, weight, cols, need_db, shard) -> None:
@@ -301,8 +332,9 @@ def _borrowed_pass(dlogits_of, g: _Gradients, hidden, weight, cols, need_db, sha
         weight_grad(dlogits_of.block(dlogits, dbias, 0, n, col0, c, False), col0, c)
 
 
-def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs) -> None:
-    """Each pass's blocks of ``rows`` x ``cols``: da, then the products this pass computes."""
+def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs, shard) -> None:
+    """Each pass's blocks of ``rows`` x ``cols``: da, then the products this pass computes (and a
+    hosted accumulator's rounding into grad_hidden, which needs the spent da block)."""
     need_dx, need_dw, need_db = needs
     n = hidden.shape[0]
     v = weight.shape[0]
@@ -321,6 +353,8 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs) -> N
                 elif p_dx and p.paired:  # all N rows; the pair carries the sum across the blocks
                     products.compensated(da, weight[col0 : col0 + c], g.grad_hidden, g.dx_lo, col0 > 0, g.unscale,
                                          role="paired_rows")
+                elif p_dx and g.dx_hosted is not None:  # all N rows, into the two parts of the sum
+                    g.accumulate_dx(da, weight[col0 : col0 + c], col0 == 0)
                 elif p_dx and g.dx_deferred:
                     products.accumulate(da, weight[col0 : col0 + c], g.dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:
@@ -332,6 +366,8 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs) -> N
                                      g.unscale)
             if p_db:
                 products.add_bias_sums(g.db_acc, dbias, r, block_n, g.unscale)
+        if p.hosted and p_dx:  # the da block is spent: it takes the hosted rows' copy
+            g.finish_grad_hidden(shard, scratch=dlogits)
         del dlogits, dbias, da  # the next pass's blocks take their place
 
 
@@ -375,8 +411,9 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
         _borrowed_pass(dlogits_of, g, hidden, weight, passes[0].cols, need_db, shard)
     else:
         if n > 0:
-            _block_passes(dlogits_of, g, hidden, weight, passes, needs)
-        g.finish_grad_hidden(shard)
+            _block_passes(dlogits_of, g, hidden, weight, passes, needs, shard)
+        if g.dx_hosted is None:  # else done in the pass, with its spent da block
+            g.finish_grad_hidden(shard)
     g.finish_grad_weight()
     grad_bias = g.db_acc.to(hidden.dtype) if need_db else None
     return g.grad_hidden, g.grad_weight, grad_bias

@@ -29,6 +29,8 @@ SHARDED_CASES = [
     # Each shard's grad_hidden accumulator borrowed from its grad_weight, all-reduced in place there.
     dict(reduction="none", dtype=torch.bfloat16, ignored=0.2, bias=True, shape=(23, 160, 1200),
          chunk_bytes=23 * 256 * 2),
+    # Each shard's grad_hidden accumulator half hosted in its grad_hidden, both halves all-reduced.
+    dict(reduction="none", dtype=torch.bfloat16, ignored=0.2, bias=True, shape=(23, 160, 2400), chunk_bytes=20000),
     # The chunked path (gradients in the forward, merged per chunk of rows), in one and in two chunks.
     dict(reduction="sum", ignored=0.2, bias=True, label_smoothing=0.1, class_weight=True, return_metrics=True,
          strategy="chunked"),

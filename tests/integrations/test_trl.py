@@ -148,18 +148,20 @@ def test_sfttrainer_with_the_switch_matches_trls_own_head(tmp_path, ours):
 
 
 def test_the_drop_in_budget_is_the_default_until_long_context_then_at_most_2_gib():
-    """``trl_head.trl_chunk_bytes``: the package default (256 MiB) up to N H = 32 Mi, then 8 N H bytes
-    (an fp32 (N, H) accumulator in half the budget), at most 2 GiB; any leading dims."""
+    """``trl_head.trl_chunk_bytes``: the package default (192 MiB) up to N H = 32 Mi, then 6 N H bytes
+    (the hosted fp32 (N, H) accumulator's extra half in a third of the budget), at most 2 GiB; any
+    leading dims."""
     budget = fused_linear_ce.trl_head.trl_chunk_bytes
     mib = 1 << 20
 
     def rows(*shape):
         return torch.empty(*shape, device="meta")
 
-    assert budget(rows(8192, 4096)) == budget(rows(16384, 2048)) == budget(rows(8192, 2304)) == 256 * mib
-    assert budget(rows(12, 32)) == 256 * mib
-    assert budget(rows(32768, 4096)) == budget(rows(4, 8192, 4096)) == 1024 * mib
-    assert budget(rows(65536, 4096)) == budget(rows(131072, 4096)) == 2048 * mib
+    assert budget(rows(8192, 4096)) == budget(rows(16384, 2048)) == budget(rows(8192, 2304)) == 192 * mib
+    assert budget(rows(12, 32)) == 192 * mib
+    assert budget(rows(32768, 4096)) == budget(rows(4, 8192, 4096)) == 768 * mib
+    assert budget(rows(65536, 4096)) == 1536 * mib
+    assert budget(rows(131072, 4096)) == budget(rows(262144, 4096)) == 2048 * mib
     assert budget("not a tensor") is None
 
 
@@ -192,7 +194,7 @@ def test_the_drop_in_runs_within_its_budget_and_use_in_trl_sets_another(monkeypa
     assert [p.name for p in inspect.signature(head.apply).parameters.values()] == [p.name for p in theirs]
     in_blocks = head.apply(hidden, weight, None, targets, 0.9, 32768)
     assert seen == [fused_linear_ce.trl_head.trl_chunk_bytes(hidden), small]
-    assert seen[0] == 256 << 20
+    assert seen[0] == 192 << 20
     for mine, want in zip(in_blocks, by_default):
         assert torch.equal(mine, want)
     fused_linear_ce.use_in_trl()

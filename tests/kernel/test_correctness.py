@@ -47,8 +47,8 @@ for dtype in DTYPES:
 # The backward's blocking (configs.plan_passes; CPU tiles 16 x 256): whole plane; token chunks with
 # the V x H accumulator (16-bit: the fallback when no vocabulary block of all rows fits); vocabulary
 # chunks (16-bit: one pass with the N x H accumulator borrowed from grad_weight; fp32: one pass); one
-# pass of vocabulary chunks with the N x H accumulator in half the budget (72000 bytes, 16-bit); the
-# smallest blocks.
+# pass of vocabulary chunks with the N x H accumulator's extra half in half the budget (72000 bytes,
+# 16-bit: its first 38 rows hosted in grad_hidden, test_hosted_accumulator.py); the smallest blocks.
 for dtype in DTYPES:
     for chunk in (None, 16 * 500 * dtype.itemsize, 77 * 256 * dtype.itemsize, 72000, 1):
         CASES.append(Case(77, 96, 500, dtype, "none", bias=True, ignored=0.2, chunk_bytes=chunk))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fused_linear_ce import configs
+from fused_linear_ce.plan import hosted_rows
 
 BLOCK_N, BLOCK_V = 16, 256
 
@@ -54,17 +55,37 @@ def test_extra_memory_stays_within_the_budget_at_any_n(n):
     assert any(p.rows_grads for p in passes) and any(p.weight_grad for p in passes)
 
 
-def test_llama_shape_keeps_one_pass_with_the_token_accumulator_in_half_the_budget():
-    n, h, v = 8192, 4096, 128256  # N x H fp32 = 128 MiB = half the default budget
+@pytest.mark.parametrize("n,h,v,cols", [(8192, 4096, 128256, 8192), (16384, 2048, 151936, 4096),
+                                         (8192, 2304, 256000, 9984)], ids=["S1", "S3", "S2"])
+def test_one_pass_with_the_accumulator_half_hosted_in_grad_hidden(n, h, v, cols):
+    """S1-S3 by default: one pass of vocabulary blocks of all N rows; the fp32 N x H accumulator's
+    first N / 2 rows live in grad_hidden's own bf16 memory, so only the other half is extra (64 MiB
+    at S1 and S3), and the da block takes the rest of the budget: at S1 and S3 the same blocks as an
+    fp32 accumulator beside them in 256 MiB, 64 MiB less."""
     (plan,) = _passes(n, h, v, None)
-    assert (plan.rows, plan.dx_accumulator, plan.dw_accumulator) == (n, True, False)
-    assert plan.rows * plan.cols * 2 <= configs.DEFAULT_CHUNK_BYTES - n * h * 4
+    assert (plan.rows, plan.dx_accumulator, plan.dw_accumulator, plan.hosted) == (n, True, False, True)
+    assert not (plan.borrowed or plan.paired)
+    extra_acc = (n - hosted_rows(n, 2)) * h * 4
+    assert extra_acc <= configs.DEFAULT_CHUNK_BYTES // 2
+    assert plan.cols == (configs.DEFAULT_CHUNK_BYTES - extra_acc) // (2 * n) // 256 * 256 == cols
+    assert plan.extra_bytes(n, v, h, 2) == n * cols * 2 + extra_acc <= configs.DEFAULT_CHUNK_BYTES
+    assert plan.cols >= h  # the spent da block holds the hosted rows' copy at the end
+    if (n, h) != (8192, 2304):
+        assert plan.cols == (256 << 20) // 2 // (2 * n) // 256 * 256  # as a whole accumulator in 256 MiB
 
 
-@pytest.mark.parametrize("budget_mib", [64, 128])
+@pytest.mark.parametrize("n", [1, 2, 77, 8192])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_hosted_rows_fit_in_the_gradient(n, itemsize):
+    rows = hosted_rows(n, itemsize)
+    assert rows * 4 <= n * itemsize < (rows + 1) * 4 + itemsize
+
+
+@pytest.mark.parametrize("budget_mib", [64, 96])
 def test_below_half_the_accumulator_it_borrows_grad_weight_memory(budget_mib):
-    """S1 at 64 / 128 MiB: the N x H fp32 accumulator (128 MiB) lives in grad_weight (V >= 2N), so
-    the whole budget is da block and the extra memory is that block alone."""
+    """S1 at 64 / 96 MiB: the hosted accumulator's extra half (64 MiB) is more than half the budget,
+    so the N x H fp32 accumulator (128 MiB) lives in grad_weight (V >= 2N): the whole budget is da
+    block and the extra memory is that block alone."""
     n, h, v = 8192, 4096, 128256
     budget = budget_mib << 20
     (plan,) = _passes(n, h, v, budget)
@@ -107,11 +128,12 @@ def test_fp32_passes_are_the_one_pass_plan():
 def test_the_rare_row_settings_take_the_plans_they_name():
     """test_gpu_scale's rare-row test covers every plan through these budgets (GPU tiles 128 x 256)."""
     n, h, v = 4096, 1024, 32000
-    (whole,) = _passes(n, h, v, None)
+    (whole,) = _passes(n, h, v, 256 << 20)
     assert (whole.rows, whole.cols) == (n, v)
-    (in_budget,) = _passes(n, h, v, 64 << 20)
-    assert in_budget.dx_accumulator and not in_budget.borrowed
-    (borrowed,) = _passes(n, h, v, 16 << 20)
+    for budget in (None, 64 << 20, 16 << 20):
+        (in_budget,) = _passes(n, h, v, budget)
+        assert in_budget.dx_accumulator and in_budget.hosted and not in_budget.borrowed
+    (borrowed,) = _passes(n, h, v, 12 << 20)
     assert borrowed.borrowed
     (token,) = _passes(n, h, v, 1 << 20)
     assert token.dw_accumulator and token.cols == v

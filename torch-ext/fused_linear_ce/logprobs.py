@@ -50,7 +50,7 @@ def fused_linear_logprobs(
             entropy's gradient costs nothing when the entropy does not reach the loss.
         chunk_bytes, strategy: the memory knob and the path of the backward. "recompute": the
             forward keeps the per-row lse and the backward recomputes the logits in blocks that
-            ``chunk_bytes`` bounds (default 256 MiB). "chunked": the forward keeps the sweep's
+            ``chunk_bytes`` bounds (default 192 MiB). "chunked": the forward keeps the sweep's
             exponentials of all rows, N x V in the input dtype, and the backward turns them into the
             logits' gradient in place: one product fewer, for that buffer from the forward to the
             backward; it must fit in ``chunk_bytes`` and cannot take a softcap with the entropy

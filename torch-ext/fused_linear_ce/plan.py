@@ -11,8 +11,11 @@ import triton
 
 from . import device as _device
 
-# Default budget for the backward's da chunk (bytes): the memory knob's default setting.
-DEFAULT_CHUNK_BYTES = 256 << 20
+# Default budget for the backward's da chunk and accumulator (bytes): the memory knob's default
+# setting. 192 MiB: at 8192 x 4096 and 16384 x 2048 (N H = 32 Mi) the one-pass plan's da blocks are
+# those of an fp32 accumulator beside them in 256 MiB, its first half hosted in grad_hidden
+# (``BackwardPlan.hosted``).
+DEFAULT_CHUNK_BYTES = 192 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
 DEFAULT_PAIRED_BYTES = 512 << 20
@@ -92,14 +95,23 @@ class BackwardPlan:
     # grad_hidden is summed over the vocabulary blocks as a pair: itself (bf16) and an int8 (N, H)
     # remainder (``products.matmul``'s pair epilogue), N x H bytes instead of an fp32 N x H.
     paired: bool = False
+    # The (N, H) fp32 accumulator's first rows live in grad_hidden's own 16-bit memory (N x H x
+    # itemsize bytes: half of it), the rest in an extra buffer; at the end the hosted rows are
+    # copied into the free da block before grad_hidden is written (so cols >= H).
+    hosted: bool = False
 
     def extra_bytes(self, n: int, v: int, h: int, itemsize: int) -> int:
         """The da block, the accumulators (fp32, or the pair's int8 remainder), and a rows-only
         pass's fp32 (rows, H) product."""
+        dx_acc = self.dx_accumulator and not self.borrowed and not self.paired
         return self.rows * self.cols * itemsize + n * h * self.paired + 4 * h * (
-            n * (self.dx_accumulator and not self.borrowed and not self.paired) + v * self.dw_accumulator
-            + self.rows * (not self.weight_grad)
-        )
+            n * dx_acc + v * self.dw_accumulator + self.rows * (not self.weight_grad)
+        ) - hosted_rows(n, itemsize) * h * 4 * (dx_acc and self.hosted)
+
+
+def hosted_rows(n: int, itemsize: int) -> int:
+    """How many rows of an (n, H) fp32 accumulator an (n, H) gradient of ``itemsize`` bytes holds."""
+    return n * itemsize // 4
 
 
 def _token_rows(units: int, per_row: int, block_n: int) -> int:
@@ -141,7 +153,9 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
     - Only grad_hidden/grad_bias: token blocks of whole vocabulary rows, each row's gradient
       complete in one product. Only grad_weight: vocabulary blocks of all N rows, likewise.
     - Both, in one pass, when an fp32 accumulator (N x H for vocabulary blocks, else V x H) takes
-      at most half the budget; the da block gets the rest.
+      at most half the budget; the da block gets the rest. The N x H one is hosted
+      (``BackwardPlan.hosted``): grad_hidden's own memory holds half of it (16-bit), so only the
+      other half counts, and the da block (then at least H columns) takes its copy at the end.
     - Else, when grad_weight's own memory holds the N x H fp32 accumulator (V >= 2N for 16-bit
       inputs), one pass of vocabulary blocks with the accumulator borrowed from grad_weight's last
       rows (``borrows_weight_grad``): the budget is all da block. The blocks over those rows but the
@@ -173,10 +187,10 @@ def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_d
         return (rows_pass,)
     if not need_rows and dw_pass is not None:
         return (dw_pass,)
-    acc_x, acc_w = 4 * n * h, 4 * v * h
+    acc_x, acc_w = 4 * n * h - 4 * h * hosted_rows(n, item), 4 * v * h  # acc_x: the part not hosted
     cols = _vocab_cols(max(0, budget - acc_x) // item, n, block_v)
-    if acc_x <= budget // 2 and cols >= block_v:
-        return (BackwardPlan(n, cols, True, False),)
+    if acc_x <= budget // 2 and cols >= max(block_v, h):
+        return (BackwardPlan(n, cols, True, False, hosted=True),)
     if acc_w <= budget // 2:
         return (BackwardPlan(_token_rows((budget - acc_w) // item, v, block_n), v, False, True),)
     if dw_pass is not None and borrows_weight_grad(n, v, dtype):

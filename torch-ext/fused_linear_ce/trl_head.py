@@ -17,21 +17,23 @@ from .validate import check_chunk_bytes
 TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # The drop-in's largest memory budget. It stands where TRL's head held its chunk's logits and their
 # gradient (3285 MiB above the inputs at 65536 x 4096 x 128256, bf16, H200), so by default it spends
-# up to 2 GiB where that buys time: an fp32 (N, H) accumulator and a da block as large (8 N H bytes),
-# one pass of 16 vocabulary blocks at H = 4096. Measured there: SFT 445 ms at 2050 MiB against TRL's
-# 447 ms and the package default's 493 ms at 514 MiB (benchmarks/results/paired/).
+# more where that buys time: 6 N H bytes, the hosted fp32 (N, H) accumulator's extra half (2 N H)
+# and a da block of twice that, one pass of 16 vocabulary blocks at H = 4096 (1.5 GiB there; the
+# same blocks as the 2 GiB budget of an unhosted accumulator, measured: SFT 445 ms against TRL's
+# 447 ms and the package default's 493 ms at 514 MiB, benchmarks/results/paired/), at most 2 GiB.
 TRL_MAX_CHUNK_BYTES = 2 << 30
 
 
 def trl_chunk_bytes(hidden) -> int | None:
     """The drop-in's default ``chunk_bytes`` for ``hidden`` (..., H): the package default
-    (DEFAULT_CHUNK_BYTES) or 8 N H bytes (the recompute backward's fp32 (N, H) accumulator in half the
-    budget), whichever is larger, at most TRL_MAX_CHUNK_BYTES. At N H <= 32 Mi (8192 x 4096,
-    16384 x 2048) it is the package default. None for a non-tensor (the op's checks report it)."""
+    (DEFAULT_CHUNK_BYTES) or 6 N H bytes (the recompute backward's hosted fp32 (N, H) accumulator, whose
+    extra half takes a third of the budget), whichever is larger, at most TRL_MAX_CHUNK_BYTES. At
+    N H <= 32 Mi (8192 x 4096, 16384 x 2048) it is the package default. None for a non-tensor (the
+    op's checks report it)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         return None
     n_h = hidden.numel()
-    return max(DEFAULT_CHUNK_BYTES, min(8 * n_h, TRL_MAX_CHUNK_BYTES))
+    return max(DEFAULT_CHUNK_BYTES, min(6 * n_h, TRL_MAX_CHUNK_BYTES))
 
 
 def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
@@ -78,8 +80,8 @@ def use_in_trl(*, chunk_bytes=None):
     """Makes TRL's fused LM head (``add_fused_lm_head``, every trainer's loss head) compute its
     per-token fields with this kernel, for every model patched from now on and those already patched.
     ``chunk_bytes``: the kernel's memory budget (``fused_linear_logprobs``'s knob); None:
-    ``trl_chunk_bytes`` (the package default up to 16384 x 2048 or 8192 x 4096 tokens x hidden, up to
-    2 GiB beyond). Returns what it replaced (assign it back to undo). Raises RuntimeError when the
+    ``trl_chunk_bytes`` (the package default up to 16384 x 2048 or 8192 x 4096 tokens x hidden, 6 N H
+    bytes beyond, at most 2 GiB). Returns what it replaced (assign it back to undo). Raises RuntimeError when the
     installed TRL does not have the head this replaces (TRL 1.16's
     ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad ``chunk_bytes``."""
     check_chunk_bytes(chunk_bytes)
