@@ -93,8 +93,9 @@ def fused_linear_cross_entropy(
             in group order; ``targets`` are global ids. Every rank gets the loss, metrics and lse of
             the whole vocabulary and the full ``hidden`` gradient (already all-reduced: do not reduce
             it again), and its own shard's weight and bias gradients. See ``parallel.py``.
-        chunk_bytes: the memory knob (default 192 MiB). On the recompute path, the most bytes the
-            backward's gradient-of-logits blocks and fp32 accumulators take together, at any N: it
+        chunk_bytes: the memory knob (default: 192 MiB on the recompute path, 256 MiB chunks on the
+            chunked path). On the recompute path, the most bytes the backward's gradient-of-logits
+            blocks and fp32 accumulators take together, at any N: it
             walks the (N, V) plane in blocks of whole vocabulary rows or whole batch columns, in one
             pass when an fp32 accumulator (N x H or V x H) fits in half the budget (for 16-bit
             inputs, half of the N x H one lives in grad_hidden's own memory and is not counted);
@@ -118,7 +119,7 @@ def fused_linear_cross_entropy(
             itself and an int8 V x H remainder), and the backward only scales them; not with
             ``reduction="none"``, ``return_lse`` or softcap together with label smoothing
             (ValueError). "auto" (default): "chunked" when the options allow it and the whole (N, V)
-            gradient fits in ``chunk_bytes`` (one chunk) or the weight is an fp32 master weight
+            gradient fits in ``chunk_bytes`` (one chunk; 256 MiB by default) or the weight is an fp32 master weight
             under autocast (any N), else "recompute". The
             chunked path holds the gradients from the forward to the backward. Without gradients
             (``torch.no_grad``, nothing requires grad) both run the forward sweep only.

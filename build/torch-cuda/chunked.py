@@ -57,7 +57,7 @@ def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs, master: bool =
         return True
     if chunked_unsupported(opts) is not None:
         return False
-    return master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes)
+    return master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -17,12 +17,12 @@ import torch
 from . import device
 from .device import fp_fusion, input_precision, interpreted, sm_count, tma_hardware, tma_layout  # re-exported
 from .plan import (  # re-exported
-    DEFAULT_CHUNK_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
+    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
     vocab_splits,
 )
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_PAIRED_BYTES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_PAIRED_BYTES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
     "borrows_weight_grad", "candidates", "chunk_budget", "chunk_rows", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
     "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",

@@ -11,11 +11,15 @@ import triton
 
 from . import device as _device
 
-# Default budget for the backward's da chunk and accumulator (bytes): the memory knob's default
-# setting. 192 MiB: at 8192 x 4096 and 16384 x 2048 (N H = 32 Mi) the one-pass plan's da blocks are
-# those of an fp32 accumulator beside them in 256 MiB, its first half hosted in grad_hidden
-# (``BackwardPlan.hosted``).
+# The memory knob's default on the recompute path (bytes): its backward's da blocks and fp32
+# accumulators. 192 MiB: at 8192 x 4096 and 16384 x 2048 (N H = 32 Mi) the one-pass plan's da blocks
+# are those of an unhosted fp32 accumulator beside them in 256 MiB, its first half now hosted in
+# grad_hidden (``BackwardPlan.hosted``).
 DEFAULT_CHUNK_BYTES = 192 << 20
+# The memory knob's default on the chunked path: one chunk's buffer of rows. 256 MiB: each chunk adds
+# the weight gradient's V x H sum once more, and a master weight's default step measured 6-7% slower
+# in 192 MiB chunks (S1 52.8 against 49.8 ms, S4 411 against 383; benchmarks/NOTES.md v24).
+DEFAULT_CHUNKED_BYTES = 256 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
 DEFAULT_PAIRED_BYTES = 512 << 20
@@ -26,16 +30,19 @@ _WAVE_EFFICIENCY = 0.95
 _CPU_SPLITS = 3
 
 
-def chunk_budget(chunk_bytes: int | None) -> int:
-    """The memory knob's value in bytes: ``chunk_bytes``, or DEFAULT_CHUNK_BYTES when None."""
-    return DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+def chunk_budget(chunk_bytes: int | None, *, chunked: bool = False) -> int:
+    """The memory knob's value in bytes: ``chunk_bytes``, or when None the default of the recompute
+    path (DEFAULT_CHUNK_BYTES) or, ``chunked``, of the chunked path (DEFAULT_CHUNKED_BYTES)."""
+    if chunk_bytes is not None:
+        return chunk_bytes
+    return DEFAULT_CHUNKED_BYTES if chunked else DEFAULT_CHUNK_BYTES
 
 
 def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, block_n: int) -> int:
     """Rows per chunk of the chunked path: as many whole vocabulary rows of the (R, V) buffer (the
     input dtype) as ``chunk_bytes`` holds, in whole row blocks, at least one row block; all N when
     they fit."""
-    rows = chunk_budget(chunk_bytes) // max(1, v * dtype.itemsize)
+    rows = chunk_budget(chunk_bytes, chunked=True) // max(1, v * dtype.itemsize)
     if rows >= n:
         return max(n, 1)
     return max(block_n, rows // block_n * block_n)

@@ -67,9 +67,10 @@ def chunked_unsupported(opts: Options, n: int, v: int, dtype: torch.dtype) -> st
         return ("a softcap together with the entropy (the buffer's exponentials carry the softcap's "
                 "derivative, and the entropy's gradient needs z back from them)")
     need = n * v * dtype.itemsize
-    if need > plan.chunk_budget(opts.chunk_bytes):
+    budget = plan.chunk_budget(opts.chunk_bytes, chunked=True)
+    if need > budget:
         return (f"N x V = {n} x {v} exponentials ({need} bytes in {dtype}) held from the forward to the backward "
-                f"beyond chunk_bytes={plan.chunk_budget(opts.chunk_bytes)}")
+                f"beyond chunk_bytes={budget}")
     return None
 
 

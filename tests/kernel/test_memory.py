@@ -163,9 +163,8 @@ def _extra_mib(n, h, v, **kwargs):
 
 
 def test_default_setting_is_flat_in_n():
-    """Flat memory: at the default the extra memory is bounded at any N. 192 MiB while the hosted
-    fp32 accumulator's extra half fits in half of it (N = 4096: the 250 MiB plane is past the
-    budget, so two vocabulary blocks of 176 MiB and 16 MiB of accumulator); DEFAULT_PAIRED_BYTES
+    """Flat memory: at the default the extra memory is bounded at any N. The chunked path's 256 MiB
+    while the whole plane fits in one chunk (N = 4096: its 250 MiB plane); DEFAULT_PAIRED_BYTES
     (512 MiB) for long context, where the backward sums grad_hidden as a bf16 + int8 pair (N =
     32768: a 64 MiB remainder and 448 MiB of blocks); at 8x those tokens (N = 262144, the remainder
     alone 512 MiB) two passes within the default budget again."""
@@ -175,7 +174,7 @@ def test_default_setting_is_flat_in_n():
     huge = _extra_mib(262144, h, v)
     per_row = 32 * 8 * 262144 / MiB
     paired = configs.DEFAULT_PAIRED_BYTES / MiB
-    assert small >= 170, "the small case should hold a 176 MiB da block and its 16 MiB accumulator"
-    assert small <= configs.DEFAULT_CHUNK_BYTES / MiB + per_row
+    assert small >= 200, "the small case should hold its whole 250 MiB plane"
+    assert small <= configs.DEFAULT_CHUNKED_BYTES / MiB + per_row
     assert 400 <= large <= paired + per_row, f"{large:.0f} MiB at N=32768"
     assert huge <= configs.DEFAULT_CHUNK_BYTES / MiB + per_row, f"{huge:.0f} MiB at N=262144"

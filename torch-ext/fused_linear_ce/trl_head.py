@@ -10,6 +10,7 @@ signature and docstrings only.
 import torch
 
 from .logprobs import fused_linear_logprobs
+from . import plan as _plan
 from .plan import DEFAULT_CHUNK_BYTES
 from .validate import check_chunk_bytes
 
@@ -25,15 +26,15 @@ TRL_MAX_CHUNK_BYTES = 2 << 30
 
 
 def trl_chunk_bytes(hidden) -> int | None:
-    """The drop-in's default ``chunk_bytes`` for ``hidden`` (..., H): the package default
-    (DEFAULT_CHUNK_BYTES) or 6 N H bytes (the recompute backward's hosted fp32 (N, H) accumulator, whose
-    extra half takes a third of the budget), whichever is larger, at most TRL_MAX_CHUNK_BYTES. At
-    N H <= 32 Mi (8192 x 4096, 16384 x 2048) it is the package default. None for a non-tensor (the
-    op's checks report it)."""
+    """The drop-in's default ``chunk_bytes`` for ``hidden`` (..., H): None (the package's defaults,
+    each path's own: 192 MiB recompute, 256 MiB chunks) while 6 N H bytes (the recompute backward's
+    hosted fp32 (N, H) accumulator, whose extra half takes a third of the budget) is within the
+    larger of them, as at N H <= 32 Mi (8192 x 4096, 16384 x 2048); beyond, 6 N H bytes, at most
+    TRL_MAX_CHUNK_BYTES. None for a non-tensor too (the op's checks report it)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         return None
-    n_h = hidden.numel()
-    return max(DEFAULT_CHUNK_BYTES, min(6 * n_h, TRL_MAX_CHUNK_BYTES))
+    budget = min(6 * hidden.numel(), TRL_MAX_CHUNK_BYTES)
+    return budget if budget > max(DEFAULT_CHUNK_BYTES, _plan.DEFAULT_CHUNKED_BYTES) else None
 
 
 def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
