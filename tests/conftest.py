@@ -79,7 +79,7 @@ GPU_SECONDS = {
     "test_benchmark.py": 60,  # bench.py subprocesses
     "test_bench_logprobs.py": 60,  # bench_logprobs.py in process: our kernels' and TRL's first compiles
     "test_bf16_emulation.py": 2,
-    "test_borrowed_accumulator.py": 15,
+    "test_borrowed_accumulator.py": 5,  # layout checks on the CPU side (0.3 s measured, v20)
     "test_compensated.py": 10,  # 16 small matmul tests (a few compiles each)
     "test_master_weight.py": 50,  # 31 small autocast cases (loss and per-token), two torch.compile, one GPU memory case
     "test_correctness.py": 340,  # 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
