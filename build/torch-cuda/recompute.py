@@ -182,6 +182,12 @@ def _borrow_accumulator(grad_weight: torch.Tensor, n: int, h: int):
     return flat[start : start + per * n * h].view(torch.float32).view(n, h), start // h
 
 
+def _fp32_rows(buffer: torch.Tensor, rows: int, h: int) -> torch.Tensor:
+    """An fp32 (rows, h) view of the first bytes of a contiguous 16-bit ``buffer`` (large enough)."""
+    per = 4 // buffer.element_size()
+    return buffer.view(-1)[: per * rows * h].view(torch.float32).view(rows, h)
+
+
 @dataclass
 class _Gradients:
     """The gradients and where the products sum them (``*_acc``, fp32 when summed over blocks of a
@@ -204,11 +210,9 @@ class _Gradients:
     # own memory; ``dx_acc`` is then the rest (rows dx_hosted.shape[0] onwards).
     dx_hosted: torch.Tensor | None = None
 
-    def accumulate_dx(self, da, weight_cols, first: bool) -> None:
-        """The fp32 accumulator (+)= da @ weight_cols, for all N rows (unscaled: deferred)."""
-        if self.dx_hosted is None:
-            products.accumulate(da, weight_cols, self.dx_acc, first)
-            return
+    def accumulate_hosted(self, da, weight_cols, first: bool) -> None:
+        """The hosted accumulator's two parts (+)= da @ weight_cols, da of all N rows (unscaled:
+        deferred)."""
         split = self.dx_hosted.shape[0]
         products.accumulate(da[:split], weight_cols, self.dx_hosted, first)
         products.accumulate(da[split:], weight_cols, self.dx_acc, first)
@@ -227,8 +231,7 @@ class _Gradients:
                 parallel.all_reduce(part, shard)
         if self.dx_hosted is not None:
             split = self.dx_hosted.shape[0]
-            per = 4 // scratch.element_size()
-            hosted = scratch.view(-1)[: per * self.dx_hosted.numel()].view(torch.float32).view(self.dx_hosted.shape)
+            hosted = _fp32_rows(scratch, *self.dx_hosted.shape)
             hosted.copy_(self.dx_hosted)
             factor = self._factor(self.dx_deferred)
             products.scale(hosted, factor, out=self.grad_hidden[:split])
@@ -275,7 +278,7 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     if need_dx and dx_pass.hosted:
         grad_hidden = device.new((n, h), dtype, where)
         split = plan.hosted_rows(n, dtype.itemsize)
-        dx_hosted = grad_hidden.view(-1)[: split * h * 4 // dtype.itemsize].view(torch.float32).view(split, h)
+        dx_hosted = _fp32_rows(grad_hidden, split, h)
         dx_acc = device.new((n - split, h), torch.float32, where)
     elif need_dx and borrowed:
         grad_hidden = device.new((n, h), dtype, where)
@@ -354,7 +357,7 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs, shar
                     products.compensated(da, weight[col0 : col0 + c], g.grad_hidden, g.dx_lo, col0 > 0, g.unscale,
                                          role="paired_rows")
                 elif p_dx and g.dx_hosted is not None:  # all N rows, into the two parts of the sum
-                    g.accumulate_dx(da, weight[col0 : col0 + c], col0 == 0)
+                    g.accumulate_hosted(da, weight[col0 : col0 + c], col0 == 0)
                 elif p_dx and g.dx_deferred:
                     products.accumulate(da, weight[col0 : col0 + c], g.dx_acc[row0 : row0 + r], col0 == 0)
                 elif p_dx:

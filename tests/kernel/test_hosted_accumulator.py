@@ -39,13 +39,13 @@ def _run(hidden, weight, targets, upstream):
 def test_the_hosted_sum_gives_the_gradients_of_a_separate_accumulator(n, dtype, monkeypatch):
     inputs = _inputs(n, dtype)
     hosted_splits = []
-    accumulate = recompute._Gradients.accumulate_dx
+    accumulate = recompute._Gradients.accumulate_hosted
 
     def spy(self, *args, **kwargs):
         hosted_splits.append(self.dx_hosted.shape[0])
         return accumulate(self, *args, **kwargs)
 
-    monkeypatch.setattr(recompute._Gradients, "accumulate_dx", spy)
+    monkeypatch.setattr(recompute._Gradients, "accumulate_hosted", spy)
     loss, grad_hidden, grad_weight = _run(*inputs)
     assert hosted_splits == [n // 2, n // 2], "not one pass of two vocabulary blocks with the hosted sum"
 

@@ -18,7 +18,7 @@ from . import device as _device
 DEFAULT_CHUNK_BYTES = 192 << 20
 # The memory knob's default on the chunked path: one chunk's buffer of rows. 256 MiB: each chunk adds
 # the weight gradient's V x H sum once more, and a master weight's default step measured 6-7% slower
-# in 192 MiB chunks (S1 52.8 against 49.8 ms, S4 411 against 383; benchmarks/NOTES.md v24).
+# in 192 MiB chunks (H200, S1 52.8 against 49.8 ms, S4 411 against 383; benchmarks/results/ab/).
 DEFAULT_CHUNKED_BYTES = 256 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.

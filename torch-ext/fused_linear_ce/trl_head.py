@@ -19,9 +19,9 @@ TRL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # The drop-in's largest memory budget. It stands where TRL's head held its chunk's logits and their
 # gradient (3285 MiB above the inputs at 65536 x 4096 x 128256, bf16, H200), so by default it spends
 # more where that buys time: 6 N H bytes, the hosted fp32 (N, H) accumulator's extra half (2 N H)
-# and a da block of twice that, one pass of 16 vocabulary blocks at H = 4096 (1.5 GiB there; the
-# same blocks as the 2 GiB budget of an unhosted accumulator, measured: SFT 445 ms against TRL's
-# 447 ms and the package default's 493 ms at 514 MiB, benchmarks/results/paired/), at most 2 GiB.
+# and a da block of twice that, one pass of 16 vocabulary blocks at H = 4096 (1.5 GiB there), at most
+# 2 GiB. Measured there (H200, interleaved, SFT): 447 ms at 1538 MiB against TRL's 447 ms at 3285
+# MiB and the package default's 486 ms at 514 MiB (benchmarks/results/dropin/).
 TRL_MAX_CHUNK_BYTES = 2 << 30
 
 
