@@ -369,7 +369,7 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs, shar
                                      g.unscale)
             if p_db:
                 products.add_bias_sums(g.db_acc, dbias, r, block_n, g.unscale)
-        if p.hosted and p_dx:  # the da block is spent: it takes the hosted rows' copy
+        if g.dx_hosted is not None:  # the da block is spent: it takes the hosted rows' copy
             g.finish_grad_hidden(shard, scratch=dlogits)
         del dlogits, dbias, da  # the next pass's blocks take their place
 
