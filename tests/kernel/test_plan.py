@@ -203,3 +203,29 @@ def test_an_fp32_master_weight_gradient_replaces_two_passes_with_token_blocks(dt
         assert master.extra_bytes(n, v, h, dtype.itemsize) <= budget
     (default,) = configs.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True, fp32_weight_grad=True)
     assert default.paired == (dtype == torch.bfloat16)
+
+
+def test_the_chunked_path_holds_one_chunks_per_tile_statistics_at_a_time(monkeypatch):
+    """Each chunk's sweep returns per-tile statistics (3 x T x R fp32: 47 MiB at S4's 4096-row chunk)
+    that only its gradient kernel reads. They are released before the next chunk's sweep allocates its
+    own, so the peak holds one set, as ``chunk_bytes``' accounting (tests/kernel/test_memory.py) says."""
+    import weakref
+
+    from conftest import DEVICE
+    from fused_linear_ce import chunked, fused_linear_cross_entropy, sweep
+
+    held, original = [], sweep.sweep
+
+    def spy(*args, **kwargs):
+        assert all(ref() is None for ref in held), "the previous chunk's per-tile statistics are still held"
+        out = original(*args, **kwargs)
+        held.append(weakref.ref(out[1]))
+        return out
+
+    monkeypatch.setattr(chunked.sweep, "sweep", spy)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(96, 64, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+    weight = torch.randn(300, 64, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+    targets = torch.randint(0, 300, (96,), generator=g).to(DEVICE)
+    fused_linear_cross_entropy(hidden, weight, targets, strategy="chunked", chunk_bytes=32 * 300 * 2).backward()
+    assert len(held) == 3
