@@ -148,6 +148,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
             coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales()[3])
         da = gradient_in_place(e, tile_stats, stats, coef, targets[sl], class_weight, dbias, opts, shard, cfg)
+        # Spent: without this the next chunk's sweep allocates its per-tile statistics (3 x T x R fp32:
+        # 47 MiB at S4's 4096-row chunk) while these are still held, twice that at the peak.
+        del tile_stats
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
         if deferred_dw:

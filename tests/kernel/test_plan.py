@@ -224,8 +224,9 @@ def test_the_chunked_path_holds_one_chunks_per_tile_statistics_at_a_time(monkeyp
 
     monkeypatch.setattr(chunked.sweep, "sweep", spy)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(96, 64, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
-    weight = torch.randn(300, 64, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
-    targets = torch.randint(0, 300, (96,), generator=g).to(DEVICE)
-    fused_linear_cross_entropy(hidden, weight, targets, strategy="chunked", chunk_bytes=32 * 300 * 2).backward()
+    n, v, chunk_bytes = 300, 300, 128 * 300 * 2  # 128-row chunks (a row block on the GPU): three
+    hidden = torch.randn(n, 64, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+    weight = torch.randn(v, 64, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    fused_linear_cross_entropy(hidden, weight, targets, strategy="chunked", chunk_bytes=chunk_bytes).backward()
     assert len(held) == 3
