@@ -17,15 +17,15 @@ its shared memory:
   element) and out through TMA.
 """
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import triton
 
-from fused_linear_ce import device, pingpong
+from gluon_pair import HAVE_GLUON, PairPingpongConfig, _a_transposed
 
-HAVE_GLUON = pingpong.HAVE_GLUON
 if HAVE_GLUON:
+    from gluon_pair import _pair_step
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -33,30 +33,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.language.core import _aggregate as aggregate
 
-
-def _a_transposed(a: torch.Tensor):
-    """False when ``a``'s storage takes a TMA descriptor, True when its transpose's does, else None."""
-    if device.tma_layout(a):
-        return False
-    return True if device.tma_layout(a.t()) else None
-
-
-@dataclass(frozen=True)
-class PairPingpongConfig:
-    """Each consumer warpgroup's tile is block_m x block_p of the output, block_k the K-step of the
-    ring's ``stages`` buffers (beside them each consumer's whole tile of the pair); a program takes
-    ``tiles_per_program`` column tiles of one row block."""
-
-    block_m: int = 64
-    block_p: int = 256
-    block_k: int = 64
-    stages: int = 3
-    tiles_per_program: int = 8
-    consumer_regs: int = 232
-    loader_regs: int = 40
-
-
-CONFIG = PairPingpongConfig()
+# gluon_pair's tiles with 3 ring stages: each consumer's whole tile of the pair (48 KB with an int8
+# remainder) sits beside them.
+CONFIG = dataclasses.replace(PairPingpongConfig(), stages=3)
 
 
 def launch(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, accumulate: bool, unscale=None,
@@ -176,13 +155,6 @@ if HAVE_GLUON:
                     tma.async_copy_global_to_shared(p.a_desc, [p.row0, kk * BLOCK_K], p.ready.index(s),
                                                     p.a_bufs.index(s))
                 tma.async_copy_global_to_shared(p.b_desc, [kk * BLOCK_K, col0], p.ready.index(s), p.b_bufs.index(s))
-
-    @gluon.jit
-    def _pair_step(hi):
-        """``products.pair_step``: the unit of an int8 remainder of a bf16 hi, 2^(e - 15)."""
-        bits = hi.to(gl.float32).to(gl.int32, bitcast=True)
-        exponent = gl.maximum((bits >> 23) & 0xFF, 16)
-        return ((exponent - 15) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
     def _pair_quarter(p, acc, hi_buf, lo_buf):
