@@ -176,16 +176,16 @@ def _borrow_accumulator(grad_weight: torch.Tensor, n: int, h: int):
     """An fp32 (n, h) view of grad_weight's last bytes (16-byte aligned), and the first
     vocabulary row it overlaps. The caller writes those rows of grad_weight only once the
     accumulator is spent (``plan.borrows_weight_grad`` says when it fits)."""
-    flat = grad_weight.view(-1)
     per = 4 // grad_weight.element_size()
-    start = (flat.numel() - per * n * h) // 8 * 8
-    return flat[start : start + per * n * h].view(torch.float32).view(n, h), start // h
+    start = (grad_weight.numel() - per * n * h) // 8 * 8
+    return _fp32_rows(grad_weight, n, h, start), start // h
 
 
-def _fp32_rows(buffer: torch.Tensor, rows: int, h: int) -> torch.Tensor:
-    """An fp32 (rows, h) view of the first bytes of a contiguous 16-bit ``buffer`` (large enough)."""
+def _fp32_rows(buffer: torch.Tensor, rows: int, h: int, start: int = 0) -> torch.Tensor:
+    """An fp32 (rows, h) view of a contiguous 16-bit ``buffer``'s bytes from its element ``start`` on
+    (an even element, so that the view is 4-byte aligned; the buffer large enough)."""
     per = 4 // buffer.element_size()
-    return buffer.view(-1)[: per * rows * h].view(torch.float32).view(rows, h)
+    return buffer.view(-1)[start : start + per * rows * h].view(torch.float32).view(rows, h)
 
 
 @dataclass

@@ -10,8 +10,7 @@ signature and docstrings only.
 import torch
 
 from .logprobs import fused_linear_logprobs
-from . import plan as _plan
-from .plan import DEFAULT_CHUNK_BYTES
+from .plan import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES
 from .validate import check_chunk_bytes
 
 # TRL's ``outputs`` default: the optional fields, log_probs being always computed.
@@ -34,7 +33,7 @@ def trl_chunk_bytes(hidden) -> int | None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         return None
     budget = min(6 * hidden.numel(), TRL_MAX_CHUNK_BYTES)
-    return budget if budget > max(DEFAULT_CHUNK_BYTES, _plan.DEFAULT_CHUNKED_BYTES) else None
+    return budget if budget > max(DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES) else None
 
 
 def chunked_log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
