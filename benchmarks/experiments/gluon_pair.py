@@ -181,7 +181,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pair_step(hi):
-        """``products.pair_step``: the unit of an int8 remainder of a bf16 hi, 2^(e - 15)."""
+        """v25's ``products.pair_step`` (replaced by v26's bit-pattern remainder, NOTES v26; this
+        experiment keeps v25's encoding): the unit of an int8 remainder of a bf16 hi, 2^(e - 15)."""
         bits = hi.to(gl.float32).to(gl.int32, bitcast=True)
         exponent = gl.maximum((bits >> 23) & 0xFF, 16)
         return ((exponent - 15) << 23).to(gl.float32, bitcast=True)

@@ -131,8 +131,9 @@ def compensation_buffer(hi: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -
     """The ``lo`` half of a compensated pair for the 16-bit ``hi`` (``compensated``), hi's shape and
     strides, uninitialised (NaN, or -1 for int8, under FUSED_LINEAR_CE_POISON=1; the first
     ``compensated`` call, ``accumulate=False``, writes every element). ``dtype``: bf16 (default) or
-    int8 (a bf16 ``hi`` only: the remainder in steps of ``pair_step(hi)``, half the bytes, the same
-    ~16 bits of the sum; the recompute path's long-context grad_hidden).
+    int8 (a bf16 ``hi`` only: the remainder in units of 2^8 of the sum's fp32 bit pattern,
+    ``pair_of``, half the bytes, the same ~16 bits of the sum; the chunked path's grad_weight and the
+    recompute path's long-context grad_hidden).
 
     bf16 and not hi's dtype for an fp16 hi: the remainder is at most half an ulp of hi, 2^-11 of
     it, and fp16's range ends at 6e-5 (subnormals to 6e-8): an fp16 remainder of a gradient entry
@@ -154,9 +155,9 @@ def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Te
 
     ``accumulate=False`` (the first product) writes both, whatever they held. hi: bf16 or fp16; lo:
     ``compensation_buffer(hi)`` (bf16; an fp16 lo is taken but loses the remainder of small entries)
-    or, for a bf16 hi, ``compensation_buffer(hi, torch.int8)`` (the remainder in whole steps of
-    ``pair_step(hi)``, 2^-16 of hi's binade but for ties: about the same, in one byte), hi's shape and
-    strides. Each call's sum is rounded to fp32 once before the split, and the split
+    or, for a bf16 hi, ``compensation_buffer(hi, torch.int8)`` (the remainder in whole units of 2^8
+    of the sum's fp32 bits, ``pair_of``: 2^-16 of the sum's binade but at half an ulp of hi, about
+    the same, in one byte), hi's shape and strides. Each call's sum is rounded to fp32 once before the split, and the split
     loses at most half an ulp of lo: per call 2^-16 of the sum at worst (bf16 hi: lo's 8 bits
     below hi's 8), 2^-19 for an fp16 hi (11 + 8; 2^-33 absolute under fp16's smallest normal),
     against 2^-9 for a plain bf16 accumulator. The errors add up over the calls, relative to each
@@ -250,39 +251,42 @@ def load_block(desc, row0, col0, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def pair_step(hi):
-    """The unit of an int8 remainder of a bf16 ``hi``: 2^(e - 15) for hi's binary exponent e (2^-126
-    and below: the step of 2^-111). Half an ulp of a bf16 value is 2^(e - 8), so its remainder is
-    within [-128, 128] steps; rounded to a whole step and clamped to [-127, 127] (only an exact tie
-    reaches 128) it is off by at most one step, 2^-15 of hi's binade, half a step but for ties: the
-    pair holds the sum to ~16 bits below hi's leading one, as a bf16 remainder would, in one byte."""
-    bits = hi.to(tl.float32).to(tl.int32, bitcast=True)
-    exponent = tl.maximum((bits >> 23) & 0xFF, 16)
-    return ((exponent - 15) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def pair_value(hi, lo):
-    """The fp32 value of a compensated pair: hi + lo, or hi + lo steps of ``pair_step(hi)`` for an
-    int8 lo; exact in fp32 but for a remainder under 2^-24 of hi."""
+    """The fp32 value of a compensated pair: hi + lo (a 16-bit remainder; exact in fp32 but for a
+    remainder under 2^-24 of hi), or for an int8 lo the fp32 whose bits are hi's followed by lo
+    units of 2^8 (``pair_of``): integer arithmetic, no rounding."""
     if lo.dtype == tl.int8:
-        return hi.to(tl.float32) + lo.to(tl.float32) * pair_step(hi)
+        bits = (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16) + lo.to(tl.int32) * 256
+        return bits.to(tl.float32, bitcast=True)
     return hi.to(tl.float32) + lo.to(tl.float32)
 
 
 @triton.jit
 def pair_of(s, hi_dtype: tl.constexpr, lo_dtype: tl.constexpr, BF16_EMULATION: tl.constexpr):
-    """The pair (hi, lo) for the fp32 sum ``s``: hi = s rounded, lo = the rest (exact in fp32)
-    rounded to lo's dtype, or to whole steps of ``pair_step(hi)`` for int8 (|rest| <= 128 steps,
-    only a tie reaching 128). lo is 0 where hi overflowed (s - hi = -inf) or s was inf or NaN (NaN
-    fails the comparison): hi carries it."""
+    """The pair (hi, lo) for the fp32 sum ``s``: hi = s rounded (to nearest, ties to even), lo = the
+    rest rounded to lo's dtype. lo is 0 where hi overflowed or s was inf or NaN: hi carries it.
+
+    An int8 lo (a bf16 hi) is the rest in units of 2^8 of s's fp32 bit pattern: s's bits minus hi's
+    (hi's 16 bits followed by 16 zeros), |d| <= 2^15, rounded to whole units (half up) and clamped to
+    127 (only a rest at or just under half an ulp of hi reaches 128). Bit patterns of one sign are
+    monotonic in the value, so the difference is the rest in steps of 2^-15 of the binade it lies
+    in (2^-16 of the sum at worst), across a binade edge too, and decoding (``pair_value``) is an
+    integer sum. Integer arithmetic on s's bits: no division, no exponent extraction."""
+    if lo_dtype == tl.int8:
+        bits = s.to(tl.int32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        top = (bits + 0x7FFF + lsb) >> 16  # bf16 round to nearest even, on the bits (NaN apart below)
+        rest = bits - (top << 16)
+        lo = tl.minimum((rest + 0x80) >> 8, 127)
+        nan = s != s
+        overflow = (top & 0x7FFF) == 0x7F80  # s rounded to inf (or was inf): no remainder
+        lo = tl.where(nan | overflow, 0, lo)
+        top = tl.where(nan, 0x7FC0, top)
+        return top.to(tl.int16).to(tl.bfloat16, bitcast=True), lo.to(tl.int8)
     hi = round_to(s, hi_dtype, BF16_EMULATION)
     rest = s - hi.to(tl.float32)
     rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
-    if lo_dtype == tl.int8:
-        lo = tl.minimum(tl.maximum(tl.floor(rest / pair_step(hi) + 0.5), -127.0), 127.0).to(tl.int8)
-    else:
-        lo = round_to(rest, lo_dtype, BF16_EMULATION)
+    lo = round_to(rest, lo_dtype, BF16_EMULATION)
     return hi, lo
 
 
