@@ -15,6 +15,7 @@ Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` 
 (fp32 hidden and weight under ``torch.autocast(bfloat16)``: an fp32 master weight), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
 ``bench_logprobs.py``'s outputs; sft's loss is the mean NLL, so its errors are against the same
 reference; grpo's errors are against that reference too and only compare packages with each other).
+``--liger`` adds Liger's loss (the default setting's row only) as the issue's reference point.
 Prints a table last; writes ab.json under --out.
 """
 
@@ -72,6 +73,22 @@ def load_copy(name, path):
     return module
 
 
+class Liger:
+    """Liger's fused loss (bf16 grad_weight summed across its chunks) as a package with this one's
+    call, for ``--liger``: it runs only the plain loss settings (``LIGER_SETTINGS``), its own way."""
+
+    def __init__(self):
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        self.fn = liger_fused_linear_cross_entropy
+
+    def fused_linear_cross_entropy(self, hidden, weight, targets, **kwargs):
+        out = self.fn(hidden, weight, targets)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+LIGER_SETTINGS = ("default",)
+
+
 def runner(package, setting, hidden, weight, targets):
     """A zero-argument callable: one forward (+ backward) of ``package`` under ``setting``."""
     if setting == "eval":
@@ -120,6 +137,7 @@ def main():
     ap.add_argument("--dists", nargs="+", default=["random", "peaked"])
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--liger", action="store_true", help="also Liger's loss, at the default setting")
     ap.add_argument("--out", default="benchmarks/results/ab")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -127,6 +145,8 @@ def main():
     for spec in args.variants:
         name, path = spec.split("=", 1)
         packages[name] = load_copy(name, path)
+    if args.liger:
+        packages["liger"] = Liger()
     rows = []
     for shape in args.shapes:
         n, h, v = SHAPES[shape]
@@ -136,6 +156,8 @@ def main():
             for setting in args.settings:
                 runs = {}
                 for name, package in packages.items():
+                    if name == "liger" and setting not in LIGER_SETTINGS:
+                        continue
                     run, hl, wl = runner(package, setting, hidden, weight, targets)
                     run()  # compile, tune, warm
                     torch.cuda.synchronize()
@@ -163,7 +185,7 @@ def main():
     meta = dict(gpu=gpu_name(device), versions=versions(), date=time.strftime("%Y-%m-%d"),
                 variants=dict(v.split("=", 1) for v in args.variants), rounds=args.rounds)
     (out / "ab.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    names = list(packages)
+    names = [n for n in packages if n != "liger"]
     print(f"\n{meta['gpu']}  {meta['versions']}  medians of {args.rounds} interleaved rounds (ms)")
     print(f"{'shape':5} {'dist':7} {'setting':14}" + "".join(f" {n + ' ms':>10} {n + ' MiB':>9} {n + ' dX':>8}"
                                                               for n in names) + "   new/" + names[-1])
@@ -177,6 +199,8 @@ def main():
                     r = cells[n]
                     line += f" {r['ms']:10.2f} {r['extra_mib']:9.0f} {r.get('dx_err', float('nan')):8.1e}"
                 line += f"   {cells['new']['ms'] / cells[names[-1]]['ms']:.3f}"
+                if "liger" in cells:
+                    line += f"   liger {cells['liger']['ms']:.2f} ms {cells['liger']['extra_mib']:.0f} MiB"
                 print(line)
 
 
