@@ -12,6 +12,7 @@ also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its chunk o
 ``chunked.softmax_gradient_kernel`` then turns into the logits' gradient in place.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,11 @@ from . import autotune, device, parallel, pingpong, plan
 from .logits import grouped_tile, logit_tile, round_to, softcap_grad
 from .validate import Options
 
-# Planes of the fp32 partial statistics (NUM_STATS, SPLIT, N) that ``lse_sweep_kernel`` writes: row
-# max, sum of exp(z - max), target logit, sum of exp(z - max) z and best logit (with metrics),
-# sum_v w[v] z[v] (w = class weights, or 1; with label smoothing or the mean logit), and sum of
-# exp(2 (z - max)) (with log_sum_sq_probs).
+# Planes of the fp32 partial statistics (planes, SPLIT, N) that ``combine_kernel`` merges: row max,
+# sum of exp(z - max), the target logit (the ping-pong sweep's only: ``lse_sweep_kernel`` writes it
+# to the row's result directly, from the one split that holds the target), sum of exp(z - max) z and
+# best logit (with metrics), sum_v w[v] z[v] (w = class weights, or 1; with label smoothing or the
+# mean logit), and sum of exp(2 (z - max)) (with log_sum_sq_probs). At most NUM_STATS.
 NUM_STATS = 7
 # The merge kernel's tile: rows per program x splits per step (memory-bound and small).
 _COMBINE_BLOCK, _COMBINE_SPLITS = 64, 32
@@ -100,13 +102,16 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
     return sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
 
 
-def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None, cfg=None):
+def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None, cfg=None,
+          scratch=None):
     """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
     exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
     per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
-    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``)."""
+    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``). ``scratch``: a
+    contiguous tensor whose memory is free until the caller's next write to it (the chunked path's
+    rows of grad_hidden): the per-split statistics live there when they fit, are allocated else."""
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
@@ -138,21 +143,26 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         stats, argmax, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales()[0], metrics, offset,
                                                 opts.ignore_index, skip_ignored(opts))
     else:
-        stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg)
+        stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg,
+                                              z_target, scratch)
     combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
         stats, argmax, targets, lse2, z_target,
         wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
-        argmax_out if metrics else argmax, squares_out if squares else z_target, n, v_total, offset, splits,
+        argmax_out if metrics else argmax, squares_out if squares else z_target, n, v, v_total, offset, splits,
         splits * n, targets.stride(0),
-        METRICS=metrics, SMOOTHING=smoothing, SQUARES=squares, BLOCK=_COMBINE_BLOCK, SPLIT_BLOCK=_COMBINE_SPLITS,
+        METRICS=metrics, SMOOTHING=smoothing, SQUARES=squares, Z_PLANE=int(hopper), BLOCK=_COMBINE_BLOCK,
+        SPLIT_BLOCK=_COMBINE_SPLITS,
     )
     if shard is not None:
         parallel.merge_stats(stats_out, shard, metrics)
     return stats_out, stats
 
 
-def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, offset, e_out, cfg):
-    """``lse_sweep_kernel`` with ``cfg``'s tiles: (stats, argmax or stats, splits)."""
+def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, offset, e_out, cfg, z_target,
+                  scratch=None):
+    """``lse_sweep_kernel`` with ``cfg``'s tiles: (stats, argmax or stats, splits); the target logit
+    of rows whose target this weight holds into ``z_target``. The statistics in ``scratch``'s memory
+    where they fit (``sweep``)."""
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
@@ -163,9 +173,11 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
         splits, tiles_per_split = plan.tile_ranges(n_blocks, n_tiles, where, resident=cfg.resident)
     else:
         splits, tiles_per_split = n_tiles, 1
-    # Only the planes this call fills: max, sum, target (+ entropy and best with metrics, + wz, + squares).
-    n_stats = NUM_STATS if squares else 6 if smoothing else 5 if metrics else 3
-    stats = device.new((n_stats, splits, n), torch.float32, where)
+    # Only the planes this call fills: max, sum (+ entropy and best with metrics, + wz, + squares).
+    n_stats = 6 if squares else 5 if smoothing else 4 if metrics else 2
+    stats = _borrowed(scratch, (n_stats, splits, n)) if scratch is not None else None
+    if stats is None:
+        stats = device.new((n_stats, splits, n), torch.float32, where)
     argmax = device.new((splits, n), torch.int32, where) if metrics else stats
     bias_arg, stride_b = bias_args(bias, hidden)
     tile_scale, softcap, softcap_out, _ = opts.kernel_scales()
@@ -178,7 +190,7 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     e_tma = e_out is not None and tma and device.tma_layout(e_out)
     e_desc = TensorDescriptor.from_tensor(e_out, [cfg.block_n, cfg.block_v]) if e_tma else stats
     lse_sweep_kernel[grid](
-        hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax,
+        hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax, z_target,
         e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
         hidden_desc, weight_desc, e_desc, n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
@@ -193,6 +205,16 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     return stats, argmax, splits
 
 
+def _borrowed(scratch: torch.Tensor, shape) -> torch.Tensor | None:
+    """An fp32 tensor of ``shape`` in ``scratch``'s memory (contiguous, 16-byte aligned), or None
+    where it does not fit."""
+    need = math.prod(shape) * 4
+    size = scratch.numel() * scratch.element_size()
+    if not scratch.is_contiguous() or size < need or scratch.data_ptr() % 16:
+        return None
+    return scratch.view(-1).view(torch.uint8)[:need].view(torch.float32).view(shape)
+
+
 @triton.jit
 def lse_sweep_kernel(
     hidden_ptr,  # (N, H) fp32/bf16/fp16
@@ -200,8 +222,9 @@ def lse_sweep_kernel(
     bias_ptr,  # (V,) same dtype, or dummy
     targets_ptr,  # (N,) int32/int64
     class_weight_ptr,  # (V,) fp32 class weights when HAS_CLASS_WEIGHT, else dummy
-    stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 out
+    stats_ptr,  # (planes, SPLIT, N) fp32 out: max, sum (+ sum (z - max) e, best; + wz; + squares)
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
+    z_target_ptr,  # (N,) fp32 out: the target logit, written by the split that holds the target
     e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
     stride_e,
     hidden_desc,  # TMA: tensor descriptors (``logits.logit_tile``), else unused
@@ -247,7 +270,8 @@ def lse_sweep_kernel(
     Grid (cdiv(N, BLOCK_N), SPLIT), or with GROUP_M > 0 a 1-D grid over the same programs in groups
     of GROUP_M row blocks (``grouped_tile``: a wave shares fewer rows and weight tiles). Per row it
     carries the running max m, the rescaled sum of exp(z - m), the target logit (from the one tile
-    that holds the target), with METRICS the sum of exp(z - m) * (z - m) (moved along with m, so
+    that holds the target; the split holding it stores it as the row's result, the merge leaves it
+    there), with METRICS the sum of exp(z - m) * (z - m) (moved along with m, so
     the entropy log-sum - that / sum never cancels two values near the max) and the running argmax,
     with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
     HAS_CLASS_WEIGHT; the plain mean logit), and with SQUARES the rescaled sum of exp(2 (z - m)).
@@ -345,36 +369,41 @@ def lse_sweep_kernel(
         m = tl.where(live, m, 0.0)
         s = tl.where(live, s, tl.where(pid_s == 0, 1.0, 0.0))
 
+    # The one split whose columns hold the target (also where its row block was skipped: 0 then).
+    split_col0 = pid_s * tiles_per_split * BLOCK_V
+    holds = mask_n & (target_col >= split_col0) & (target_col < split_col0 + tiles_per_split * BLOCK_V)
+    tl.store(z_target_ptr + offs_n, z_target, mask=holds)
     plane = tl.full((), num_splits, tl.int64) * N  # num_splits may come in as a constexpr 1
     base = stats_ptr + pid_s.to(tl.int64) * N + offs_n
     tl.store(base + 0 * plane, m, mask=mask_n)
     tl.store(base + 1 * plane, s, mask=mask_n)
-    tl.store(base + 2 * plane, z_target, mask=mask_n)
     if METRICS:
-        tl.store(base + 3 * plane, pz, mask=mask_n)
-        tl.store(base + 4 * plane, best, mask=mask_n)
+        tl.store(base + 2 * plane, pz, mask=mask_n)
+        tl.store(base + 3 * plane, best, mask=mask_n)
         tl.store(argmax_ptr + pid_s.to(tl.int64) * N + offs_n, best_idx, mask=mask_n)
     if SMOOTHING:
-        tl.store(base + 5 * plane, wz, mask=mask_n)
+        tl.store(base + 4 * plane, wz, mask=mask_n)
     if SQUARES:
-        tl.store(base + 6 * plane, s2, mask=mask_n)
+        tl.store(base + 5 * plane, s2, mask=mask_n)
 
 
 @triton.jit
 def combine_kernel(
-    stats_ptr,  # (NUM_STATS, SPLIT, N) fp32 in
+    stats_ptr,  # (planes, SPLIT, N) fp32 in: max, sum (+ the target logit where Z_PLANE), ...
     argmax_ptr,  # (SPLIT, N) int32 in
     targets_ptr,  # (N,) int32/int64
     lse_ptr,  # (2, N) fp32 out: the row max m and log(sum exp(z - m)); lse = m + log-sum, kept apart
     #           so that z - m stays exact for large logits (p = exp((z - m) - log-sum))
     z_target_ptr,  # (N,) fp32 out: the target's logit (0 when another shard holds it); NaN for a
-    #                target outside [0, V_total)
+    #                target outside [0, V_total). Without Z_PLANE the sweep wrote the rows whose
+    #                target this weight holds; the merge writes the others.
     wz_ptr,  # (N,) fp32 out when SMOOTHING: sum_v w[v] z[v]
     entropy_ptr,  # (N,) fp32 out when METRICS
     best_ptr,  # (N,) fp32 out when METRICS: the largest logit
     argmax_out_ptr,  # (N,) int64 out when METRICS: its global class id (first on ties)
     squares_ptr,  # (N,) fp32 out when SQUARES: sum exp(2 (z - m)), m the row max
     N,
+    V,  # this weight's rows
     V_total,  # the whole vocabulary (all shards)
     vocab_offset,
     SPLIT,
@@ -383,6 +412,7 @@ def combine_kernel(
     METRICS: tl.constexpr,
     SMOOTHING: tl.constexpr,
     SQUARES: tl.constexpr,
+    Z_PLANE: tl.constexpr,  # 1: the target logit is plane 2 and the later planes one further on; 0: none
     BLOCK: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
 ):
@@ -416,12 +446,14 @@ def combine_kernel(
         scale = tl.exp(tl.load(p, mask=tile, other=float("-inf")) - m_all[None, :])
         s_i = tl.load(p + 1 * plane, mask=tile, other=0.0)
         s_all += tl.sum(s_i * scale, axis=0)
-        z_target += tl.sum(tl.load(p + 2 * plane, mask=tile, other=0.0), axis=0)
+        if Z_PLANE:
+            z_target += tl.sum(tl.load(p + 2 * plane, mask=tile, other=0.0), axis=0)
         if METRICS:  # each split's sum of exp(z - m_i) (z - m_i), moved to m_all
             m_i = tl.load(p, mask=tile, other=0.0)
-            q_i = tl.load(p + 3 * plane, mask=tile, other=0.0) + tl.where(s_i > 0.0, (m_i - m_all[None, :]) * s_i, 0.0)
+            q_i = (tl.load(p + (2 + Z_PLANE) * plane, mask=tile, other=0.0)
+                   + tl.where(s_i > 0.0, (m_i - m_all[None, :]) * s_i, 0.0))
             pz_all += tl.sum(q_i * scale, axis=0)
-            b = tl.load(p + 4 * plane, mask=tile, other=float("-inf"))
+            b = tl.load(p + (3 + Z_PLANE) * plane, mask=tile, other=float("-inf"))
             b = tl.where(b == b, b, float("-inf"))
             step_best = tl.max(b, axis=0)
             idx = tl.load(argmax_ptr + sp[:, None] * N + offs[None, :], mask=tile, other=0)
@@ -430,16 +462,20 @@ def combine_kernel(
             best = tl.where(better, step_best, best)
             best_idx = tl.where(better, step_idx, best_idx)
         if SMOOTHING:
-            wz_all += tl.sum(tl.load(p + 5 * plane, mask=tile, other=0.0), axis=0)
+            wz_all += tl.sum(tl.load(p + (4 + Z_PLANE) * plane, mask=tile, other=0.0), axis=0)
         if SQUARES:
-            s2_all += tl.sum(tl.load(p + 6 * plane, mask=tile, other=0.0) * (scale * scale), axis=0)
+            s2_all += tl.sum(tl.load(p + (5 + Z_PLANE) * plane, mask=tile, other=0.0) * (scale * scale), axis=0)
     log_sum = tl.log(s_all)
     lse = m_all + log_sum
     target = tl.load(targets_ptr + offs * stride_t, mask=mask, other=0).to(tl.int64)
     in_range = (target >= 0) & (target < V_total)
     tl.store(lse_ptr + offs, m_all, mask=mask)
     tl.store(lse_ptr + N + offs, log_sum, mask=mask)
-    tl.store(z_target_ptr + offs, tl.where(in_range, z_target, float("nan")), mask=mask)
+    if Z_PLANE:
+        tl.store(z_target_ptr + offs, tl.where(in_range, z_target, float("nan")), mask=mask)
+    else:
+        in_shard = (target >= vocab_offset) & (target < vocab_offset + V)
+        tl.store(z_target_ptr + offs, tl.where(in_range, 0.0, float("nan")), mask=mask & ~in_shard)
     if SMOOTHING:
         tl.store(wz_ptr + offs, wz_all, mask=mask)
     if SQUARES:

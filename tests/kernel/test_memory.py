@@ -18,7 +18,8 @@ No bias here (its (N / block_n) x V fp32 partial sums would add to the O(N) part
 
 The chunked path (``chunked.py``) holds, above the inputs: the gradients computed in the forward
 (N x H + V x H, input dtype), while the forward runs the chunk buffer (rows x V, input dtype), the
-per-tile statistics (3 x T x rows fp32, T = V / block_v) and with more than one chunk grad_weight's
+per-tile statistics (2 x T x rows fp32, T = V / block_v; none where they fit in the chunk's rows of
+grad_hidden, 2 x T x 4 <= H x 2 bytes, as here) and with more than one chunk grad_weight's
 int8 V x H remainder (``products.compensated``); in the backward, before v18, two more
 gradient-sized sets at its peak (the scaled copies and materialised zero gradients of the op's
 gradient outputs; an H200 probe at this shape read 403 MiB at the forward's peak and 424 MiB at the
@@ -85,7 +86,8 @@ def _bound(chunk_bytes, strategy) -> int:
     if strategy == "chunked":
         cfg = configs.sweep_config(DTYPE, chunked=True)
         rows = configs.chunk_rows(N, V, DTYPE, chunk_bytes, cfg.block_n)
-        forward = rows * V * itemsize + 3 * triton.cdiv(V, cfg.block_v) * rows * 4
+        tile_stats = 2 * triton.cdiv(V, cfg.block_v) * 4  # bytes a row, in grad_hidden's row where they fit
+        forward = rows * V * itemsize + (tile_stats * rows if tile_stats > H * itemsize else 0)
         if rows < N:
             forward += V * H  # grad_weight's int8 remainder (a compensated pair across chunks)
         return gradients + max(forward, 2 * gradients) + 32 * 8 * N + ALLOCATOR_SLACK + CUBLAS_SLACK

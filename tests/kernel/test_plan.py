@@ -206,9 +206,10 @@ def test_an_fp32_master_weight_gradient_replaces_two_passes_with_token_blocks(dt
 
 
 def test_the_chunked_path_holds_one_chunks_per_tile_statistics_at_a_time(monkeypatch):
-    """Each chunk's sweep returns per-tile statistics (3 x T x R fp32: 47 MiB at S4's 4096-row chunk)
-    that only its gradient kernel reads. They are released before the next chunk's sweep allocates its
-    own, so the peak holds one set, as ``chunk_bytes``' accounting (tests/kernel/test_memory.py) says."""
+    """Each chunk's sweep returns per-tile statistics (2 x T x R fp32 for the loss: 31 MiB at S4's
+    4096-row chunk) that only its gradient kernel reads. They are released before the next chunk's
+    sweep allocates its own (where they do not fit in grad_hidden's rows), so the peak holds one set,
+    as ``chunk_bytes``' accounting (tests/kernel/test_memory.py) says."""
     import weakref
 
     from conftest import DEVICE
@@ -230,3 +231,51 @@ def test_the_chunked_path_holds_one_chunks_per_tile_statistics_at_a_time(monkeyp
     targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     fused_linear_cross_entropy(hidden, weight, targets, strategy="chunked", chunk_bytes=chunk_bytes).backward()
     assert len(held) == 3
+
+
+@pytest.mark.parametrize("h, v, dtype, metrics, borrowed", [
+    (64, 1300, torch.bfloat16, False, True),  # 2 planes x 6 tiles x 4 bytes = 48 <= 128 bytes a row
+    (16, 1300, torch.bfloat16, False, False),  # 48 > 32
+    (16, 1300, torch.float16, False, True),  # fp16's unit gradient is fp32: 64 bytes a row
+    (64, 1300, torch.bfloat16, True, True),  # 4 planes with the metrics: 96 <= 128 (the argmax apart)
+    (16, 1300, torch.bfloat16, True, False),  # 96 > 32
+])
+def test_the_chunked_path_keeps_its_per_tile_statistics_in_grad_hiddens_rows(h, v, dtype, metrics, borrowed,
+                                                                              monkeypatch):
+    """The chunked sweep's per-tile statistics live in the memory of the chunk's rows of grad_hidden
+    where they fit (``sweep.sweep``'s ``scratch``; the chunk's dX product writes those rows only after
+    the gradient kernel has read them), else they are allocated; the target logit goes straight to
+    the row's result from the tile that holds it, no plane of its own. Both ways the loss, metrics
+    and gradients match float64 (under FUSED_LINEAR_CE_POISON=1 an element left unwritten is NaN)."""
+    from cases import Case, check_three_way, make_inputs
+    from fused_linear_ce import chunked, fused_linear_cross_entropy, reference, sweep
+
+    seen, original = [], sweep.sweep
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        scratch = args[9] if len(args) > 9 else kwargs.get("scratch")
+        seen.append(scratch is not None and out[1].data_ptr() == scratch.data_ptr())
+        return out
+
+    monkeypatch.setattr(chunked.sweep, "sweep", spy)
+    case = Case(160, h, v, dtype, "sum", ignored=0.2, chunk_bytes=64 * v * 2, extra=dict(strategy="chunked"))
+    # The loss from fp32 logits of the same 16-bit inputs: within fp32's rounding of float64 (a loss
+    # through a wrong target logit, e.g. half of it, is ~1% off here, inside the gradients' bounds).
+    hidden, weight, _, targets = make_inputs(case)
+    loss, got = fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", return_metrics=True,
+                                           strategy="chunked", chunk_bytes=case.chunk_bytes)
+    want_loss, want = reference.linear_cross_entropy(hidden, weight, targets, reduction="sum",
+                                                     return_metrics=True, compute_dtype=torch.float64)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    assert got["mean_token_accuracy"].item() == pytest.approx(want["mean_token_accuracy"].item(), abs=1e-6)
+    assert got["entropy"].item() == pytest.approx(want["entropy"].item(), rel=1e-4)
+    seen.clear()
+    if metrics:  # the gradients with the metrics' planes (they leave them bit-identical: test_metrics.py)
+        hidden.requires_grad_(True)
+        fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", return_metrics=True,
+                                   strategy="chunked", chunk_bytes=case.chunk_bytes)[0].backward()
+        assert torch.isfinite(hidden.grad).all()
+    else:
+        check_three_way(case)
+    assert len(seen) == 3 and all(b == borrowed for b in seen), seen

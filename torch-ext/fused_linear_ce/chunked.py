@@ -137,7 +137,12 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
         e = buffer[:r]
-        stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg)
+        # The per-tile statistics (2 x T x R fp32 for the loss: 31 MiB at S4's 4096-row chunk) in the
+        # memory of the chunk's rows of grad_hidden where they fit (T <= H / 4 for bf16): its product
+        # writes them only after the gradient kernel has read the statistics.
+        scratch = dx_acc[sl] if need_dx else None
+        stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg,
+                                        scratch)
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)
@@ -148,8 +153,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
             coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales()[3])
         da = gradient_in_place(e, tile_stats, stats, coef, targets[sl], class_weight, dbias, opts, shard, cfg)
-        # Spent: without this the next chunk's sweep allocates its per-tile statistics (3 x T x R fp32:
-        # 47 MiB at S4's 4096-row chunk) while these are still held, twice that at the peak.
+        # Spent: where they did not fit in grad_hidden the next chunk's sweep would allocate its own
+        # while these are still held, twice the statistics at the peak.
         del tile_stats
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
