@@ -4,7 +4,8 @@ For "mean" and "sum" the upstream gradient is one scalar g, so the logits' gradi
 g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.chunk_rows``):
 
 1. the sweep (``lse_sweep_kernel``, one tile per split, STORE_E) computes each logit tile once in
-   fp32 and writes ``exp(z - m_tile)`` into the chunk's (R, V) buffer, with the per-tile statistics;
+   fp32 and writes ``exp(z - m_tile)`` into the chunk's (R, V) buffer, with the per-tile statistics
+   (in the memory of the chunk's rows of grad_hidden where they fit: nothing else is extra);
 2. the merge gives the rows' lse (merged across ranks for a vocabulary shard);
 3. ``softmax_gradient_kernel`` turns the buffer into da in place (the input dtype);
 4. grad_hidden[rows] = da @ weight and grad_weight (+)= da^T @ hidden[rows], fp32 accumulation
