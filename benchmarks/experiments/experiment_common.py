@@ -226,3 +226,19 @@ def write_results(out_dir, filename, rows, **extra):
                   f"{r.get('dx', nan):8.1e} {r.get('dw', nan):8.1e}")
         else:
             print(f"{head} {r.get('same_as', r.get('error', ''))[:80]}")
+
+
+def pair_case(name, n=65536, h=4096, v=128256):
+    """The compensated pair's products at S4 (bf16, on the GPU): (a, b, the pair's shape, the
+    products' role). ``chunk-dW-R``: a chunk's grad_weight (a = da^T of R x V, b = the chunk's hidden
+    rows); ``paired-dX``: the default plan's grad_hidden block (a = da of N x 2048, b = the weight's
+    2048 rows)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if name.startswith("chunk-dW"):
+        r = int(name.split("-")[-1])
+        da = (1e-4 * torch.randn(r, v, device="cuda", generator=g)).bfloat16()
+        x = torch.randn(r, h, device="cuda", generator=g).bfloat16()
+        return da.t(), x, (v, h), "product"
+    da = (1e-4 * torch.randn(n, 2048, device="cuda", generator=g)).bfloat16()
+    w = (0.02 * torch.randn(2048, h, device="cuda", generator=g)).bfloat16()
+    return da, w, (n, h), "paired_rows"

@@ -29,24 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiment_common import interleaved, median  # noqa: E402  (puts torch-ext on the path)
+from experiment_common import interleaved, median, pair_case  # noqa: E402  (puts torch-ext on the path)
 
 from ab import load_copy  # noqa: E402
 from fused_linear_ce import products  # noqa: E402
-
-N, H, V = 65536, 4096, 128256
-
-
-def case(name):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    if name.startswith("chunk-dW"):
-        r = int(name.split("-")[-1])
-        da = (1e-4 * torch.randn(r, V, device="cuda", generator=g)).bfloat16()
-        x = torch.randn(r, H, device="cuda", generator=g).bfloat16()
-        return da.t(), x, (V, H), "product"
-    da = (1e-4 * torch.randn(N, 2048, device="cuda", generator=g)).bfloat16()
-    w = (0.02 * torch.randn(2048, H, device="cuda", generator=g)).bfloat16()
-    return da, w, (N, H), "paired_rows"
 
 
 def decode_v26(hi, lo):
@@ -71,7 +57,7 @@ def main():
     unscale = torch.tensor([0.5], device="cuda")
     rows, checks = [], {}
     for name in args.cases:
-        a, b, shape, role = case(name)
+        a, b, shape, role = pair_case(name)
         hi0 = (1e-3 * torch.randn(shape, device="cuda")).bfloat16()
         lo0 = torch.zeros(shape, dtype=torch.int8, device="cuda")
         bufs = {k: (hi0.clone(), lo0.clone()) for k in ("v25", "v26")}

@@ -26,25 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_common import interleaved, median  # noqa: E402  (puts torch-ext on the path)
+from experiment_common import interleaved, median, pair_case  # noqa: E402  (puts torch-ext on the path)
 
 import gluon_pair  # noqa: E402
 import gluon_pair_prefetch  # noqa: E402
 from fused_linear_ce import products  # noqa: E402
-
-N, H, V = 65536, 4096, 128256
-
-
-def case(name):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    if name.startswith("chunk-dW"):
-        r = int(name.split("-")[-1])
-        da = (1e-4 * torch.randn(r, V, device="cuda", generator=g)).bfloat16()
-        x = torch.randn(r, H, device="cuda", generator=g).bfloat16()
-        return da.t(), x, (V, H)
-    da = (1e-4 * torch.randn(N, 2048, device="cuda", generator=g)).bfloat16()
-    w = (0.02 * torch.randn(2048, H, device="cuda", generator=g)).bfloat16()
-    return da, w, (N, H)
 
 
 def main():
@@ -59,7 +45,7 @@ def main():
     unscale = torch.tensor([0.5], device="cuda")
     rows = []
     for name in args.cases:
-        a, b, shape = case(name)
+        a, b, shape, _ = pair_case(name)
         hi0 = (1e-3 * torch.randn(shape, device="cuda")).bfloat16()
         lo0 = torch.zeros(shape, dtype=torch.int8, device="cuda")
         hi, lo = hi0.clone(), lo0.clone()
