@@ -83,11 +83,12 @@ def cases() -> list[Case]:
         """A product summed into a compensated pair (through descriptors) at ``cfg``, its epilogue on
         column halves where ``cfg.split_pair`` says, as ``products.matmul`` launches it."""
         c_block = (cfg.block_m, cfg.block_p // 2 if cfg.split_pair else cfg.block_p)
+        lo_block = (c_block[0], c_block[1] // 2) if lo_dtype == "u8" else c_block  # 4-bit: two a byte
         a_desc = (cfg.block_k, cfg.block_m) if A_T else (cfg.block_m, cfg.block_k)
         return Case(name, "matmul_kernel", "products",
                     dict(matmul, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                          A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=cfg.split_pair),
-                    dict(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=c_block),
+                    dict(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=lo_block),
                     cfg.num_warps, cfg.num_stages, lo_dtype=lo_dtype)
 
     def gradient(name, entropy_grad, bias_grad, rows=None, warps=None):
@@ -136,6 +137,7 @@ def cases() -> list[Case]:
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
         pair("matmul, da^T, compensated", mm, A_T=True),
         pair("matmul, da^T, compensated int8", mm, A_T=True, lo_dtype="i8"),
+        pair("matmul, da^T, compensated 4-bit", mm, A_T=True, lo_dtype="u8"),
         pair("matmul, compensated int8", mm, A_T=False, lo_dtype="i8"),
         pair("matmul, paired rows", pr, A_T=False, lo_dtype="i8"),
         pair("matmul, compensated int8, unsplit", dataclasses.replace(mm, split_pair=False), A_T=False, lo_dtype="i8"),

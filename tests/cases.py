@@ -135,7 +135,7 @@ def runs_chunked(case: Case) -> bool:
                    return_lse=case.extra.get("return_lse", False), chunk_bytes=case.chunk_bytes,
                    strategy=case.extra.get("strategy", "auto"))
     needs = tuple(k in case.grad and (k != "bias" or case.bias) for k in ("hidden", "weight", "bias"))
-    return chunked.use(opts, case.n, case.v, case.dtype, needs)
+    return chunked.use(opts, case.n, case.v, case.h, case.dtype, needs)
 
 
 def check_three_way(case: Case, inputs=None, floor=None):

@@ -40,25 +40,49 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, device, losses, parallel, plan, products, sweep
+from . import autotune, configs, device, losses, parallel, plan, products, sweep
 from .logits import label_terms, softcap_grad, store_dlogits
 from .sweep import RowStats
 from .validate import Options, chunked_unsupported
 
 
-def use(opts: Options, n: int, v: int, dtype: torch.dtype, needs, master: bool = False) -> bool:
+def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool = False,
+        sharded: bool = False) -> bool:
     """Whether this call takes the chunked path: only when a gradient is wanted; always with
     strategy="chunked" (validated), never with "recompute"; with "auto" when the options allow it
-    and either the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk, no fp32 accumulator) or
+    and either the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk, no fp32 accumulator), or
     the weight is an fp32 master weight (``master``: its fp32 gradient is the accumulator, so any
-    number of chunks costs only the chunk's buffer)."""
+    number of chunks costs only the chunk's buffer), or the call is long context
+    (``long_context_budget``). ``sharded``: a vocabulary shard (``process_group``)."""
     if not any(needs) or opts.strategy == "recompute":
         return False
     if opts.strategy == "chunked":
         return True
     if chunked_unsupported(opts) is not None:
         return False
-    return master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
+    return (master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
+            or long_context_budget(opts, n, v, h, dtype, needs, master, sharded) is not None)
+
+
+def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool,
+                        sharded: bool) -> int | None:
+    """The chunk budget when "auto" takes the chunked path for long context, else None: bf16 (not
+    an fp32 master weight, not a vocabulary shard), the default ``chunk_bytes``, options the chunked
+    path takes, and a recompute default that would hold no fp32 accumulator (``plan.plan_passes``
+    gives the paired plan or two passes: V < 2N and N x H past the hosted plan's budget, as at
+    65536 x 4096 x 128256). There the chunked path sums grad_weight across chunks as a bf16 +
+    4-bit pair and takes chunks of rows in the rest of the same 512 MiB (``plan.lean_chunk_bytes``):
+    three products instead of four (H200, S4: see the README's settings)."""
+    if (opts.strategy != "auto" or opts.chunk_bytes is not None or dtype != torch.bfloat16 or master or sharded
+            or chunked_unsupported(opts) is not None or n * v * dtype.itemsize <= plan.chunk_budget(None, chunked=True)):
+        return None
+    need_dx, need_dw, need_db = needs
+    cfg = configs.dlogits_config(dtype, h=h)
+    passes = plan.plan_passes(n, v, h, dtype, None, cfg.block_n, cfg.block_v, need_dx or need_db, need_dw,
+                              may_pair=True)
+    if len(passes) == 1 and not passes[0].paired:
+        return None
+    return plan.lean_chunk_bytes(v, h, dtype)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -90,13 +114,16 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         zeros = (torch.zeros((0, h), **out) if need_dx else None, dw_zeros,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
         return (stats, *zeros)
+    master = dw_dtype == torch.float32 and dtype != torch.float32
+    lean = long_context_budget(opts, n, v, h, dtype, (need_dx, need_dw, need_db), master, shard is not None)
+    budget = opts.chunk_bytes if lean is None else lean
     if cfg is None:
         cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
             hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c,
             dw_dtype=dw_dtype),
-            opts.chunk_bytes, shard,
+            budget, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
-    rows = plan.chunk_rows(n, v, dtype, opts.chunk_bytes, cfg.block_n)
+    rows = plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
     n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
     one = torch.ones((), device=where)
@@ -124,8 +151,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         grad_weight = device.new((v, h), torch.float32, where)
     elif need_dw:
         grad_weight = device.new((v, h), out_dtype, where)
-        if n_chunks > 1 and out_dtype == torch.bfloat16:  # a pair with an int8 remainder (fp16: fp32 already)
-            dw_lo = products.compensation_buffer(grad_weight, torch.int8)
+        if n_chunks > 1 and out_dtype == torch.bfloat16:  # a pair (fp16: fp32 already)
+            # an int8 remainder, or at long context by default a 4-bit one (half the bytes)
+            dw_lo = products.compensation_buffer(grad_weight, torch.int8 if lean is None else torch.uint8)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is

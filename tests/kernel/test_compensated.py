@@ -449,7 +449,7 @@ def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
     assert (tiles[0] != tiles[2]) == ON_GPU
 
 
-@pytest.mark.parametrize("lo_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("lo_dtype", [torch.int8, torch.bfloat16, torch.uint8])
 def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
     """``MatmulConfig.split_pair``: the pair's epilogue runs on the tile's two column halves in turn
     (descriptors of half the width; fewer registers live). The arithmetic per element is the same, so
@@ -476,3 +476,89 @@ def _ulps_size(t: torch.Tensor) -> torch.Tensor:
     x = t.double().cpu()
     _, e = torch.frexp(x)
     return torch.exp2(torch.clamp(e.double() - BITS[torch.bfloat16], min=SUBNORMAL_QUANTUM[torch.bfloat16]))
+
+
+def _pair_4bit(hi, lo):
+    """The value of a bf16 hi with 4-bit remainders two a byte (``products.pack_nibbles``): hi's bits
+    followed by the column's signed nibble in units of 2^12."""
+    b = lo.cpu().to(torch.int32)
+    nibbles = torch.stack([(b << 28) >> 28, (b << 24) >> 28], -1).reshape(lo.shape[0], -1)[:, : hi.shape[1]]
+    bits = (hi.cpu().view(torch.int16).to(torch.int32) << 16) + nibbles * 4096
+    return bits.view(torch.float32).double()
+
+
+@pytest.mark.parametrize("p", [64, 41], ids=["descriptors", "pointers-odd"])
+def test_a_4bit_remainder_holds_the_sum_to_12_bits(p):
+    """The long-context chunked path's grad_weight (``chunked.long_context_budget``): a bf16 hi with
+    4-bit remainders two a byte, (M, ceil(P / 2)) bytes. The same 24 products as above: the pair
+    within the bound with a split of 2^-12 of each partial sum (s's bits rounded to their top 20);
+    hi the exact sum rounded once but near a tie (one ulp); the plain bf16 sum far worse. P = 64: the
+    pair through descriptors (``test_the_split_epilogue_sums_the_same_bits`` has them ragged); P = 41:
+    rows of 21 bytes, through pointers, the last byte's high half past the edge. Measured on the
+    interpreter: max 2^-9.9 / 2^-9.8, mean 2^-12.0 relative (int8: 2^-13.9, 2^-16.0; plain 2^-6.0, 2^-8.0)."""
+    dtype = torch.bfloat16
+    n, m, k = 24, 48, 16
+    chunks = _chunks(n, m, k, p, dtype)
+    hi = _garbage((m, p), dtype)
+    lo = products.compensation_buffer(hi, torch.uint8)
+    assert lo.dtype == torch.uint8 and lo.shape == (m, (p + 1) // 2) and lo.is_contiguous()
+    lo.fill_(0x88)  # garbage: the first call writes it
+    spy = KernelSpy(products.matmul_kernel)
+    try:
+        products.matmul_kernel, original = spy, products.matmul_kernel
+        _run(chunks, hi, lo)
+    finally:
+        products.matmul_kernel = original
+    assert [s["C_TMA"] for s in spy.launches] == [p == 64] * n  # 32-byte rows of remainders, or 21
+
+    exact, bound = _bound(chunks, dtype)
+    _, partials, _ = _exact(chunks)
+    bound = bound + sum(2.0**-12 * 1.001 * s for s in partials)  # the split: 2^-12 (bf16 lo: 2^-16)
+    err = (_pair_4bit(hi, lo) - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    rel = err / exact.abs()
+    assert rel.max() <= 2.0**-9.5 and rel.mean() <= 2.0**-11.5, (rel.max().log2(), rel.mean().log2())
+    assert rel.mean() >= 2.0**-13.5  # not the int8 pair's 2^-16: the test sees the 4 bits it has
+    want = _rounded(exact, dtype)
+    ulps = _ulps(hi, want)
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() <= 0.1, torch.bincount(ulps.flatten())
+    plain = _garbage((m, p), dtype)
+    for i, (a, b) in enumerate(chunks):
+        products.matmul(a, b, plain, i > 0)
+    plain_rel = (plain.double().cpu() - exact).abs() / exact.abs()
+    assert plain_rel.mean() >= 2.0**3 * rel.mean()
+
+
+def test_a_4bit_pair_overflows_to_inf_and_keeps_nan():
+    """As the int8 pair's (above): a sum past bf16's range leaves hi inf and its remainders 0, inf
+    stays inf, and NaN stays NaN with the rest of the tile finite."""
+    dtype = torch.bfloat16
+    a = torch.full((16, 16), 2.0**62, dtype=dtype, device=DEVICE)
+    b = torch.full((16, 16), 2.0**61, dtype=dtype, device=DEVICE)  # each entry 2^127
+    hi = torch.empty(16, 16, dtype=dtype, device=DEVICE)
+    lo = products.compensation_buffer(hi, torch.uint8)
+    products.compensated(a, b, hi, lo, False)
+    assert (hi == 2.0**127).all() and (lo == 0).all()
+    products.compensated(a, b * (1 - 2.0**-8), hi, lo, True)  # 2^127 (2 - 2^-8): fp32 holds it
+    assert torch.isinf(hi).all() and (hi > 0).all() and (lo == 0).all()
+    products.compensated(a, -b / 4, hi, lo, True)
+    assert torch.isinf(hi).all() and (hi > 0).all() and (lo == 0).all()
+    a[0, 0] = float("nan")
+    hi3 = torch.empty(16, 16, dtype=dtype, device=DEVICE)
+    lo3 = products.compensation_buffer(hi3, torch.uint8)
+    products.compensated(a, b / 8, hi3, lo3, False)
+    a[0, 0] = 1.0
+    products.compensated(a, b / 8, hi3, lo3, True)
+    assert torch.isnan(hi3[0]).all() and (lo3[0] == 0).all() and not torch.isnan(hi3[1:]).any()
+    assert (hi3[1:] == 2.0**125).all() and (lo3[1:] == 0).all()
+
+
+def test_a_4bit_remainder_is_a_half_width_buffer_for_a_bf16_hi():
+    a, b = _chunks(1, 8, 16, 8, torch.bfloat16)[0]
+    hi = torch.zeros((8, 8), dtype=torch.bfloat16, device=DEVICE)
+    for lo in (torch.zeros((8, 8), dtype=torch.uint8, device=DEVICE),  # one byte a column
+               torch.zeros((8, 8), dtype=torch.uint8, device=DEVICE)[:, :4]):  # not contiguous
+        with pytest.raises(ValueError, match="4-bit remainder"):
+            products.compensated(a, b, hi, lo, False)
+    with pytest.raises(ValueError, match="4-bit remainder is for a bf16 hi"):
+        products.compensated(a, b, hi.half(), torch.zeros((8, 4), dtype=torch.uint8, device=DEVICE), False)

@@ -23,6 +23,8 @@ spills ~3100 bytes, reported. With an int8 remainder (the recompute path's long-
 grad_hidden, ``BackwardPlan.paired``; the chunked path's weight gradient): 104 bytes while the
 epilogue held the whole tile's old pair beside the accumulator ("matmul, compensated int8, unsplit",
 reported); on the tile's two column halves in turn (the configs' ``split_pair``, NOTES v21), 0, held.
+With a 4-bit remainder two a byte (the chunked path's weight gradient at long context, NOTES v28):
+0, held (216 registers against the int8 pair's 202).
 
 Since v22 every pointer and integer argument is compiled as divisible by 16, as a launch at the
 package's shapes specialises them (without the hints, ``--unaligned``, the figures are those of
@@ -49,6 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 0, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
         "dlogits, bias gradient": 0, "matmul, da^T, compensated": 0, "matmul, compensated int8": 0, "matmul, da^T, compensated int8": 0,
+        "matmul, da^T, compensated 4-bit": 0,
         "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 184,
         "matmul, paired rows": 0, "sweep, every per-token field": 0, "dlogits, entropy gradient": 0,
         "chunked gradient": 0, "chunked gradient, bias gradient": 0, "chunked gradient, entropy gradient": 0,

@@ -120,7 +120,11 @@ def fused_linear_cross_entropy(
             ``reduction="none"``, ``return_lse`` or softcap together with label smoothing
             (ValueError). "auto" (default): "chunked" when the options allow it and the whole (N, V)
             gradient fits in ``chunk_bytes`` (one chunk; 256 MiB by default) or the weight is an fp32 master weight
-            under autocast (any N), else "recompute". The
+            under autocast (any N), or at long context with the default ``chunk_bytes`` (bf16, where the
+            recompute path would hold no fp32 accumulator: V < 2N and N x H past its budget, as at 65536 x
+            4096 x 128256): the chunked path within 512 MiB, grad_weight summed across chunks as a bf16
+            + 4-bit pair (V x H / 2 bytes, ~12 bits of each partial sum) and chunks of rows in the rest;
+            else "recompute". The
             chunked path holds the gradients from the forward to the backward. Without gradients
             (``torch.no_grad``, nothing requires grad) both run the forward sweep only.
 

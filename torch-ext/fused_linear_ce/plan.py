@@ -23,6 +23,11 @@ DEFAULT_CHUNKED_BYTES = 256 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
 DEFAULT_PAIRED_BYTES = 512 << 20
+# The long-context chunked plan (``lean_chunk_bytes``): the fewest rows a chunk may have. Each chunk adds
+# the V x H pair's epilogue (H200, S4 = 65536 x 4096 x 128256, bf16: 1024-row chunks with an int8
+# remainder 428 ms a step against 357 in 4096-row chunks and 478 for the paired recompute plan, so
+# ~1.5 ms a chunk; at 512 rows the chunks' overhead would pass the recompute plan's).
+LEAN_MIN_ROWS = 1024
 # The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
 # this share (``vocab_splits``).
 _WAVE_EFFICIENCY = 0.95
@@ -46,6 +51,15 @@ def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, bloc
     if rows >= n:
         return max(n, 1)
     return max(block_n, rows // block_n * block_n)
+
+
+def lean_chunk_bytes(v: int, h: int, dtype: torch.dtype) -> int | None:
+    """The chunk budget of the long-context chunked plan: DEFAULT_PAIRED_BYTES less grad_weight's
+    4-bit remainder (V x ceil(H / 2) bytes, ``products.compensation_buffer(hi, torch.uint8)``), or
+    None when that leaves fewer than LEAN_MIN_ROWS rows of the (R, V) buffer. At 128256 x 4096:
+    250.5 MiB of remainder and 1024-row chunks. Which calls take it: ``chunked.long_context_budget``."""
+    budget = DEFAULT_PAIRED_BYTES - v * triton.cdiv(h, 2)
+    return budget if budget // max(1, v * dtype.itemsize) >= LEAN_MIN_ROWS else None
 
 
 def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:

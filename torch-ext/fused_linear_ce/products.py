@@ -112,13 +112,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
                  and device.tma_layout(lo) and c.is_contiguous() and lo.is_contiguous())
     split = c_tma and lo is not None and cfg.split_pair
     c_block = [cfg.block_m, cfg.block_p // 2 if split else cfg.block_p]
+    packed = lo is not None and lo.dtype == torch.uint8  # two 4-bit remainders a byte: half the columns
+    lo_block = [c_block[0], c_block[1] // 2] if packed else c_block
     c_desc = TensorDescriptor.from_tensor(c, c_block) if c_tma else c
-    lo_desc = TensorDescriptor.from_tensor(lo, c_block) if c_tma and lo is not None else c
+    lo_desc = TensorDescriptor.from_tensor(lo, lo_block) if c_tma and lo is not None else c
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
     matmul_kernel[grid](
         a, b, c, lo if lo is not None else c, unscale if unscale is not None else c, a_desc, b_desc,
         c_desc, lo_desc, m, p, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        lo.stride(0) if packed else 0,
         ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
         BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
@@ -138,10 +141,21 @@ def compensation_buffer(hi: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -
     bf16 and not hi's dtype for an fp16 hi: the remainder is at most half an ulp of hi, 2^-11 of
     it, and fp16's range ends at 6e-5 (subnormals to 6e-8): an fp16 remainder of a gradient entry
     under ~0.25 loses bits, and under 2^-13 is all lost, where a bf16 one keeps its 8 bits down to
-    1e-38."""
-    lo = torch.empty_like(hi, dtype=dtype)
+    1e-38.
+
+    ``torch.uint8`` (a bf16 ``hi`` only, 2-D, contiguous): a 4-bit remainder, two a byte (column 2j
+    in byte j's low half, 2j + 1 in its high half), so (M, ceil(P / 2)) bytes, contiguous: the pair
+    is the sum's fp32 bit pattern rounded to its top 20 bits (``pair_of``), ~12 bits of the sum
+    (2^-12 of its binade at worst) in half the int8 remainder's bytes; the chunked path's grad_weight
+    at long context within the default budget (``plan.lean_chunk_bytes``)."""
+    if dtype == torch.uint8:
+        if hi.dim() != 2:
+            raise ValueError(f"compensation_buffer: a 4-bit remainder is for a 2-D hi, got {tuple(hi.shape)}")
+        lo = torch.empty((hi.shape[0], triton.cdiv(hi.shape[1], 2)), dtype=dtype, device=hi.device)
+    else:
+        lo = torch.empty_like(hi, dtype=dtype)
     if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
-        lo.fill_(-1 if dtype == torch.int8 else float("nan"))
+        lo.fill_(-1 if dtype == torch.int8 else 0x77 if dtype == torch.uint8 else float("nan"))
     return lo
 
 
@@ -165,11 +179,19 @@ def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Te
     After the last product ``hi`` is the running sum rounded once to its dtype (but for entries
     within the pair's error of a tie) and ``lo`` can go. Overflow: a sum past hi's range leaves hi
     inf and lo 0 (inf stays inf, as in a plain 16-bit sum); NaN stays NaN."""
-    if hi.dtype not in (torch.bfloat16, torch.float16) or lo.dtype not in (torch.bfloat16, torch.float16, torch.int8):
-        raise ValueError(f"compensated: hi must be bf16 or fp16 and lo bf16, fp16 or int8, got {hi.dtype} and {lo.dtype}")
-    if lo.dtype == torch.int8 and hi.dtype != torch.bfloat16:
-        raise ValueError("compensated: an int8 remainder is for a bf16 hi (its steps follow bf16's ulp)")
-    if lo.shape != hi.shape or lo.stride() != hi.stride():
+    if hi.dtype not in (torch.bfloat16, torch.float16) or lo.dtype not in (
+            torch.bfloat16, torch.float16, torch.int8, torch.uint8):
+        raise ValueError(f"compensated: hi must be bf16 or fp16 and lo bf16, fp16, int8 or uint8 (4-bit), "
+                         f"got {hi.dtype} and {lo.dtype}")
+    if lo.dtype in (torch.int8, torch.uint8) and hi.dtype != torch.bfloat16:
+        raise ValueError(f"compensated: an {'int8' if lo.dtype == torch.int8 else '4-bit'} remainder is for a bf16 hi "
+                         "(its steps follow bf16's ulp)")
+    if lo.dtype == torch.uint8:
+        want = (hi.shape[0], triton.cdiv(hi.shape[1], 2)) if hi.dim() == 2 else None
+        if want is None or tuple(lo.shape) != want or not lo.is_contiguous():
+            raise ValueError(f"compensated: a 4-bit remainder for hi {tuple(hi.shape)} is a contiguous {want} "
+                             f"uint8 buffer (compensation_buffer), got {tuple(lo.shape)} strides {lo.stride()}")
+    elif lo.shape != hi.shape or lo.stride() != hi.stride():
         raise ValueError(f"compensated: lo {tuple(lo.shape)} strides {lo.stride()} must match hi "
                          f"{tuple(hi.shape)} strides {hi.stride()}")
     matmul(a, b, hi, accumulate, unscale, lo=lo, role=role)
@@ -258,7 +280,30 @@ def pair_value(hi, lo):
     if lo.dtype == tl.int8:
         bits = (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16) + lo.to(tl.int32) * 256
         return bits.to(tl.float32, bitcast=True)
-    return hi.to(tl.float32) + lo.to(tl.float32)
+    # The code after a compile-time branch's return is still generated: the 4-bit form and the
+    # 16-bit one in one if / else (a byte of two remainders does not add to hi's shape).
+    if lo.dtype == tl.uint8:  # 4-bit remainders, two a byte: units of 2^12 of the bits
+        value = ((hi.to(tl.int16, bitcast=True).to(tl.int32) << 16) + unpack_nibbles(lo) * 4096).to(
+            tl.float32, bitcast=True)
+    else:
+        value = hi.to(tl.float32) + lo.to(tl.float32)
+    return value
+
+
+@triton.jit
+def unpack_nibbles(packed):
+    """(R, C) bytes of two signed 4-bit values each (low half first) -> (R, 2C) int32 in [-8, 7]."""
+    x = packed.to(tl.int32)  # 0..255
+    low = (x << 28) >> 28  # arithmetic shifts: the sign extended
+    high = (x << 24) >> 28
+    return tl.reshape(tl.join(low, high), (packed.shape[0], 2 * packed.shape[1]))
+
+
+@triton.jit
+def pack_nibbles(q):
+    """(R, 2C) int32 in [-8, 7] -> (R, C) bytes, column 2j in byte j's low half, 2j + 1 in its high."""
+    low, high = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
+    return ((low & 0xF) | ((high & 0xF) << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -271,7 +316,12 @@ def pair_of(s, hi_dtype: tl.constexpr, lo_dtype: tl.constexpr, BF16_EMULATION: t
     127 (only a rest at or just under half an ulp of hi reaches 128). Bit patterns of one sign are
     monotonic in the value, so the difference is the rest in steps of 2^-15 of the binade it lies
     in (2^-16 of the sum at worst), across a binade edge too, and decoding (``pair_value``) is an
-    integer sum. Integer arithmetic on s's bits: no division, no exponent extraction."""
+    integer sum. Integer arithmetic on s's bits: no division, no exponent extraction.
+
+    A uint8 lo holds 4-bit remainders, two a byte (``pack_nibbles``): s's bit pattern rounded to
+    its top 20 bits, q (half up, in units of 2^12: 2^-12 of the binade at worst), split into hi =
+    q's top 16 bits rounded (half up) and lo = the rest, in [-8, 7]. The pair's value is exactly q;
+    hi is s rounded to bf16 but where s lies within 2^-12 of its binade of a tie (rounded twice)."""
     if lo_dtype == tl.int8:
         bits = s.to(tl.int32, bitcast=True)
         lsb = (bits >> 16) & 1
@@ -283,10 +333,23 @@ def pair_of(s, hi_dtype: tl.constexpr, lo_dtype: tl.constexpr, BF16_EMULATION: t
         lo = tl.where(nan | overflow, 0, lo)
         top = tl.where(nan, 0x7FC0, top)
         return top.to(tl.int16).to(tl.bfloat16, bitcast=True), lo.to(tl.int8)
-    hi = round_to(s, hi_dtype, BF16_EMULATION)
-    rest = s - hi.to(tl.float32)
-    rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
-    lo = round_to(rest, lo_dtype, BF16_EMULATION)
+    # The code after a compile-time branch's return is still generated: one if / else from here.
+    if lo_dtype == tl.uint8:
+        bits = s.to(tl.int32, bitcast=True)
+        q = (bits + 0x800) >> 12  # patterns of one sign are monotonic: rounds the magnitude half up
+        top = (q + 8) >> 4
+        rest = q - (top << 4)
+        nan = s != s
+        overflow = (top & 0x7FFF) == 0x7F80  # s rounded to inf (or was inf): no remainder
+        rest = tl.where(nan | overflow, 0, rest)
+        top = tl.where(nan, 0x7FC0, top)
+        hi = top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        lo = pack_nibbles(rest)
+    else:
+        hi = round_to(s, hi_dtype, BF16_EMULATION)
+        rest = s - hi.to(tl.float32)
+        rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
+        lo = round_to(rest, lo_dtype, BF16_EMULATION)
     return hi, lo
 
 
@@ -295,11 +358,12 @@ def pair_through_descriptors(acc, c_desc, lo_desc, row0, col0, ACCUMULATE: tl.co
                              BF16_EMULATION: tl.constexpr):
     """The pair's epilogue for one tile (acc's shape) at (row0, col0): s = (hi + lo) + acc (the old
     pair's sum first, exact), then the new pair of s, read and written through descriptors."""
+    lo_col = col0 // 2 if lo_desc.dtype == tl.uint8 else col0  # 4-bit remainders: two columns a byte
     if ACCUMULATE:
-        acc = pair_value(c_desc.load([row0, col0]), lo_desc.load([row0, col0])) + acc
+        acc = pair_value(c_desc.load([row0, col0]), lo_desc.load([row0, lo_col])) + acc
     hi, lo = pair_of(acc, c_desc.dtype, lo_desc.dtype, BF16_EMULATION)
     c_desc.store([row0, col0], hi)
-    lo_desc.store([row0, col0], lo)
+    lo_desc.store([row0, lo_col], lo)
 
 
 @triton.jit
@@ -307,7 +371,8 @@ def matmul_kernel(
     a_ptr,  # (M, K) any strides
     b_ptr,  # (K, P) any strides
     c_ptr,  # (M, P) out; fp32 when ACCUMULATE (but COMPENSATED)
-    lo_ptr,  # COMPENSATED: (M, P) 16-bit, c's strides, the pair's remainder; else unused
+    lo_ptr,  # COMPENSATED: (M, P) 16-bit or int8, c's strides, the pair's remainder (uint8: (M, ceil(P / 2))
+    # bytes of two 4-bit remainders each, row stride stride_lm); else unused
     scale_ptr,  # (1,) fp32: multiplies A @ B when HAS_SCALE (undoes the fp16 da scaling)
     a_desc,  # TMA: tensor descriptor of A as stored (of A^T when A_T), else unused
     b_desc,  # TMA: tensor descriptor of B as stored (of B^T when B_T), else unused
@@ -322,6 +387,7 @@ def matmul_kernel(
     stride_bp,
     stride_cm,
     stride_cp,
+    stride_lm,  # a uint8 LO's row stride (its columns contiguous); else unused
     ACCUMULATE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -404,13 +470,20 @@ def matmul_kernel(
         else:
             pair_through_descriptors(acc, c_desc, lo_desc, row0, col0, ACCUMULATE, BF16_EMULATION)
     elif COMPENSATED:
-        offs_c = offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp  # one offset tile for both
+        offs_c = offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp
+        if lo_ptr.dtype.element_ty == tl.uint8:  # byte j of a row: columns 2j and 2j + 1
+            offs_j = pid_p.to(tl.int64) * (BLOCK_P // 2) + tl.arange(0, BLOCK_P // 2)
+            offs_lo = offs_m[:, None] * stride_lm + offs_j[None, :]
+            mask_lo = mask_m[:, None] & (2 * offs_j < P)[None, :]
+        else:
+            offs_lo = offs_c  # c's strides
+            mask_lo = mask
         if ACCUMULATE:
             acc = pair_value(tl.load(c_ptr + offs_c, mask=mask, other=0.0),
-                             tl.load(lo_ptr + offs_c, mask=mask, other=0.0)) + acc
+                             tl.load(lo_ptr + offs_lo, mask=mask_lo, other=0)) + acc
         hi, lo = pair_of(acc, c_ptr.dtype.element_ty, lo_ptr.dtype.element_ty, BF16_EMULATION)
         tl.store(c_ptr + offs_c, hi, mask=mask)
-        tl.store(lo_ptr + offs_c, lo, mask=mask)
+        tl.store(lo_ptr + offs_lo, lo, mask=mask_lo)
     elif C_TMA:  # rows and columns past the end are neither read nor written
         if ACCUMULATE:
             acc += c_desc.load([row0, col0]).to(tl.float32)
