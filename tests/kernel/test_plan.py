@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+import triton
 
-from fused_linear_ce import configs
+from fused_linear_ce import configs, device
 from fused_linear_ce.plan import hosted_rows
 
 BLOCK_N, BLOCK_V = 16, 256
@@ -233,6 +234,9 @@ def test_the_chunked_path_holds_one_chunks_per_tile_statistics_at_a_time(monkeyp
     assert len(held) == 3
 
 
+# ``borrowed``: on the interpreter (256-wide vocabulary tiles: 6 a row); the GPU's chunked sweep has
+# 128-wide ones (11 a row: 88 bytes for 2 planes, 176 for 4), so there the fp16 and the metrics cases
+# with h = 64 allocate (``_stats_fit``); h = 64 without the metrics borrows and h = 16 allocates on both.
 @pytest.mark.parametrize("h, v, dtype, metrics, borrowed", [
     (64, 1300, torch.bfloat16, False, True),  # 2 planes x 6 tiles x 4 bytes = 48 <= 128 bytes a row
     (16, 1300, torch.bfloat16, False, False),  # 48 > 32
@@ -259,7 +263,12 @@ def test_the_chunked_path_keeps_its_per_tile_statistics_in_grad_hiddens_rows(h, 
         return out
 
     monkeypatch.setattr(chunked.sweep, "sweep", spy)
-    case = Case(160, h, v, dtype, "sum", ignored=0.2, chunk_bytes=64 * v * 2, extra=dict(strategy="chunked"))
+    cfg = configs.sweep_config(dtype, chunked=True, h=h)
+    tiles, planes, unit = triton.cdiv(v, cfg.block_v), 4 if metrics else 2, 4 if dtype == torch.float16 else 2
+    assert (planes * tiles * 4 <= h * unit) == borrowed or not device.interpreted()
+    borrowed = planes * tiles * 4 <= h * unit
+    rows = max(64, cfg.block_n)  # three chunks: a chunk is whole row blocks (128 rows on the GPU)
+    case = Case(rows * 5 // 2, h, v, dtype, "sum", ignored=0.2, chunk_bytes=rows * v * 2, extra=dict(strategy="chunked"))
     # The loss from fp32 logits of the same 16-bit inputs: within fp32's rounding of float64 (a loss
     # through a wrong target logit, e.g. half of it, is ~1% off here, inside the gradients' bounds).
     hidden, weight, _, targets = make_inputs(case)
@@ -325,8 +334,8 @@ def test_the_long_context_chunked_plan_applies_only_where_it_replaces_a_paired_o
 
 
 def test_the_long_context_chunked_path_sums_grad_weight_in_a_4bit_pair(monkeypatch):
-    """The long-context plan on a small case (its budget, 48-row chunks here, stands in for S4's
-    1024-row ones): eight chunks, each grad_weight product into the bf16 + 4-bit pair. Against the
+    """The long-context plan on a small case (its budget, 48-row chunks here, 128 on the GPU, stands in
+    for S4's 1024-row ones): eight chunks, each grad_weight product into the bf16 + 4-bit pair. Against the
     int8 pair (strategy="chunked", the same chunks): the loss and grad_hidden bit for bit (the pair
     is grad_weight's alone), grad_weight within 5% of its error against float64 (dropping the
     remainder doubles it: checked by mutation); and the whole against float64 as every path is
@@ -334,8 +343,9 @@ def test_the_long_context_chunked_path_sums_grad_weight_in_a_4bit_pair(monkeypat
     from cases import Case, check_three_way, make_inputs
     from fused_linear_ce import chunked, fused_linear_cross_entropy, products, reference
 
-    n, h, v = 384, 64, 320
-    chunk = 48 * v * 2
+    rows = max(48, configs.sweep_config(torch.bfloat16, chunked=True).block_n)  # whole row blocks
+    n, h, v = 8 * rows, 64, 320
+    chunk = rows * v * 2
     real = chunked.long_context_budget
 
     def small(opts, n_, v_, h_, dtype, needs, master, sharded):
