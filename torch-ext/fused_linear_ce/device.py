@@ -5,6 +5,7 @@ Nothing here touches the GPU at import: the probes query CUDA on first use and c
 """
 
 import functools
+import math
 import os
 
 import torch
@@ -115,3 +116,22 @@ def new(shape, dtype, device) -> torch.Tensor:
     if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
         out.fill_(float("nan") if dtype.is_floating_point else -1)
     return out
+
+
+def fp32_view(buffer: torch.Tensor, shape, start: int = 0) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` over a contiguous ``buffer``'s memory from its element ``start`` on:
+    the memory a 16-bit gradient not yet written lends to an fp32 accumulator or to statistics. The
+    caller's plan guarantees the room and that ``start`` falls on 4 bytes (``fp32_fit`` checks both)."""
+    nbytes = math.prod(shape) * 4
+    first = start * buffer.element_size()
+    return buffer.view(-1).view(torch.uint8)[first : first + nbytes].view(torch.float32).view(shape)
+
+
+def fp32_fit(buffer: torch.Tensor, shape) -> torch.Tensor | None:
+    """``fp32_view`` of ``buffer``'s first bytes where it is contiguous, holds ``shape`` and starts on
+    16 bytes (what a tensor descriptor needs), else None."""
+    if (not buffer.is_contiguous() or buffer.numel() * buffer.element_size() < math.prod(shape) * 4
+            or buffer.data_ptr() % 16):
+        return None
+    return fp32_view(buffer, shape)
+

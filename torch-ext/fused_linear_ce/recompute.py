@@ -178,14 +178,7 @@ def _borrow_accumulator(grad_weight: torch.Tensor, n: int, h: int):
     accumulator is spent (``plan.borrows_weight_grad`` says when it fits)."""
     per = 4 // grad_weight.element_size()
     start = (grad_weight.numel() - per * n * h) // 8 * 8
-    return _fp32_rows(grad_weight, n, h, start), start // h
-
-
-def _fp32_rows(buffer: torch.Tensor, rows: int, h: int, start: int = 0) -> torch.Tensor:
-    """An fp32 (rows, h) view of a contiguous 16-bit ``buffer``'s bytes from its element ``start`` on
-    (an even element, so that the view is 4-byte aligned; the buffer large enough)."""
-    per = 4 // buffer.element_size()
-    return buffer.view(-1)[start : start + per * rows * h].view(torch.float32).view(rows, h)
+    return device.fp32_view(grad_weight, (n, h), start), start // h
 
 
 @dataclass
@@ -231,7 +224,7 @@ class _Gradients:
                 parallel.all_reduce(part, shard)
         if self.dx_hosted is not None:
             split = self.dx_hosted.shape[0]
-            hosted = _fp32_rows(scratch, *self.dx_hosted.shape)
+            hosted = device.fp32_view(scratch, self.dx_hosted.shape)
             hosted.copy_(self.dx_hosted)
             factor = self._factor(self.dx_deferred)
             products.scale(hosted, factor, out=self.grad_hidden[:split])
@@ -278,7 +271,7 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     if need_dx and dx_pass.hosted:
         grad_hidden = device.new((n, h), dtype, where)
         split = plan.hosted_rows(n, dtype.itemsize)
-        dx_hosted = _fp32_rows(grad_hidden, split, h)
+        dx_hosted = device.fp32_view(grad_hidden, (split, h))
         dx_acc = device.new((n - split, h), torch.float32, where)
     elif need_dx and borrowed:
         grad_hidden = device.new((n, h), dtype, where)

@@ -12,7 +12,6 @@ also writes ``exp(z - m_tile)`` (times the softcap's derivative) for its chunk o
 ``chunked.softmax_gradient_kernel`` then turns into the logits' gradient in place.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +174,7 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
         splits, tiles_per_split = n_tiles, 1
     # Only the planes this call fills: max, sum (+ entropy and best with metrics, + wz, + squares).
     n_stats = 6 if squares else 5 if smoothing else 4 if metrics else 2
-    stats = _borrowed(scratch, (n_stats, splits, n)) if scratch is not None else None
+    stats = device.fp32_fit(scratch, (n_stats, splits, n)) if scratch is not None else None
     if stats is None:
         stats = device.new((n_stats, splits, n), torch.float32, where)
     argmax = device.new((splits, n), torch.int32, where) if metrics else stats
@@ -203,16 +202,6 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.logit_flags(hidden.dtype),
     )
     return stats, argmax, splits
-
-
-def _borrowed(scratch: torch.Tensor, shape) -> torch.Tensor | None:
-    """An fp32 tensor of ``shape`` in ``scratch``'s memory (contiguous, 16-byte aligned), or None
-    where it does not fit."""
-    need = math.prod(shape) * 4
-    size = scratch.numel() * scratch.element_size()
-    if not scratch.is_contiguous() or size < need or scratch.data_ptr() % 16:
-        return None
-    return scratch.view(-1).view(torch.uint8)[:need].view(torch.float32).view(shape)
 
 
 @triton.jit
