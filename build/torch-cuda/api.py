@@ -103,13 +103,15 @@ def fused_linear_cross_entropy(
             grad_weight's own memory;
             else, for bf16 without a bias gradient or a vocabulary shard (long context), in one pass
             with grad_hidden summed as a pair, itself and an int8 N x H remainder (within 512 MiB
-            when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096); else, for an
+            when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096; "auto" takes
+            the chunked path there instead, below); else, for an
             fp32 master weight, in one pass of token blocks summing its fp32 gradient in place; else
             in two passes without one (grad_hidden, then grad_weight: the logits are recomputed once
             more).
             fp32 inputs accumulate in their own gradients. On the chunked path it bounds the buffer
             of one chunk of rows instead (plus, with several chunks, the int8 V x H remainder of a
-            bf16 grad_weight). Larger means fewer, larger products; see the README for
+            bf16 grad_weight); on "auto"'s long-context chunked path, the buffer and its 4-bit
+            V x H / 2 remainder together. Larger means fewer, larger products; see the README for
             measured time against memory.
         strategy: how the gradients are computed. "recompute": the forward keeps only the per-row
             lse; the backward recomputes the logits block by block (4 products in all, memory set
@@ -120,11 +122,11 @@ def fused_linear_cross_entropy(
             ``reduction="none"``, ``return_lse`` or softcap together with label smoothing
             (ValueError). "auto" (default): "chunked" when the options allow it and the whole (N, V)
             gradient fits in ``chunk_bytes`` (one chunk; 256 MiB by default) or the weight is an fp32 master weight
-            under autocast (any N), or at long context with the default ``chunk_bytes`` (bf16, where the
-            recompute path would hold no fp32 accumulator: V < 2N and N x H past its budget, as at 65536 x
-            4096 x 128256): the chunked path within 512 MiB, grad_weight summed across chunks as a bf16
-            + 4-bit pair (V x H / 2 bytes, ~12 bits of each partial sum) and chunks of rows in the rest;
-            else "recompute". The
+            under autocast (any N), or at long context (bf16, a shape where the recompute path's default
+            would hold no fp32 accumulator: V < 2N and N x H past its budget, as at 65536 x 4096 x
+            128256): the chunked path within ``chunk_bytes`` (default 512 MiB there), grad_weight summed
+            across chunks as a bf16 + 4-bit pair (V x H / 2 bytes, ~12 bits of each partial sum) and
+            chunks of rows in the rest, when at least 1024 rows fit; else "recompute". The
             chunked path holds the gradients from the forward to the backward. Without gradients
             (``torch.no_grad``, nothing requires grad) both run the forward sweep only.
 

@@ -67,14 +67,19 @@ def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master
 def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool,
                         sharded: bool) -> int | None:
     """The chunk budget when "auto" takes the chunked path for long context, else None: bf16 (not
-    an fp32 master weight, not a vocabulary shard), the default ``chunk_bytes``, options the chunked
-    path takes, and a recompute default that would hold no fp32 accumulator (``plan.plan_passes``
-    gives the paired plan or two passes: V < 2N and N x H past the hosted plan's budget, as at
-    65536 x 4096 x 128256). There the chunked path sums grad_weight across chunks as a bf16 +
-    4-bit pair and takes chunks of rows in the rest of the same 512 MiB (``plan.lean_chunk_bytes``):
-    three products instead of four (H200, S4: see the README's settings)."""
-    if (opts.strategy != "auto" or opts.chunk_bytes is not None or dtype != torch.bfloat16 or master or sharded
-            or chunked_unsupported(opts) is not None or n * v * dtype.itemsize <= plan.chunk_budget(None, chunked=True)):
+    an fp32 master weight, not a vocabulary shard), options the chunked path takes, more than one
+    chunk, and a shape at which the recompute path's default would hold no fp32 accumulator
+    (``plan.plan_passes`` at the default budget gives the paired plan or two passes: V < 2N and N x H
+    past the hosted plan's budget, as at 65536 x 4096 x 128256). There the chunked path sums
+    grad_weight across chunks as a bf16 + 4-bit pair and takes chunks of rows in the rest of
+    ``chunk_bytes`` (default DEFAULT_PAIRED_BYTES, the paired plan's 512 MiB;
+    ``plan.lean_chunk_bytes``, None where fewer than 1024 rows fit: then the recompute path within
+    ``chunk_bytes``): three products instead of four, and faster with more memory (H200, S4: 404 ms
+    in 512 MiB, 349 in 1.25 GiB, where the recompute path's exact fp32 accumulator took 442 in 1 GiB;
+    README)."""
+    if (opts.strategy != "auto" or dtype != torch.bfloat16 or master or sharded
+            or chunked_unsupported(opts) is not None
+            or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)):
         return None
     need_dx, need_dw, need_db = needs
     cfg = configs.dlogits_config(dtype, h=h)
@@ -82,7 +87,7 @@ def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtyp
                               may_pair=True)
     if len(passes) == 1 and not passes[0].paired:
         return None
-    return plan.lean_chunk_bytes(v, h, dtype)
+    return plan.lean_chunk_bytes(v, h, dtype, opts.chunk_bytes)
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -311,6 +311,12 @@ def test_long_context_default_takes_the_chunked_path_with_a_4bit_weight_remainde
     assert plan.chunk_rows(n, v, torch.bfloat16, budget, 128) == 1024
     assert budget + v * h // 2 <= configs.DEFAULT_PAIRED_BYTES
     assert _lean(n, h, v, needs=(True, True, True)) == budget
+    # An explicit chunk_bytes is the whole budget, remainder included: more memory, longer chunks (at
+    # 1 GiB the recompute path would hold its exact fp32 accumulator, 26% slower on the H200).
+    for total, rows in ((512 << 20, 1024), (1 << 30, 3072), (1280 << 20, 4096), (1536 << 20, 5248)):
+        got = _lean(n, h, v, chunk_bytes=total)
+        assert got == total - v * h // 2 and plan.chunk_rows(n, v, torch.bfloat16, got, 128) == rows, total
+    assert _lean(n, h, v, chunk_bytes=1 << 50) is None  # one chunk: no pair
     assert chunked.use(Options(), n, v, h, torch.bfloat16, (True, True, False))
     assert not chunked.use(Options(), n, v, h, torch.bfloat16, (True, True, False), sharded=True)
 
@@ -319,7 +325,7 @@ def test_long_context_default_takes_the_chunked_path_with_a_4bit_weight_remainde
     ("fp16", 65536, 4096, 128256, dict(dtype=torch.float16)),
     ("fp32 master weight (its own fp32 accumulator)", 65536, 4096, 128256, dict(master=True)),
     ("vocabulary shard", 65536, 4096, 128256, dict(sharded=True)),
-    ("an explicit chunk_bytes", 65536, 4096, 128256, dict(chunk_bytes=512 << 20)),
+    ("a chunk_bytes with under 1024 rows beside the remainder", 65536, 4096, 128256, dict(chunk_bytes=256 << 20)),
     ("strategy chunked (int8 remainder)", 65536, 4096, 128256, dict(strategy="chunked")),
     ("strategy recompute", 65536, 4096, 128256, dict(strategy="recompute")),
     ("reduction none (not on the chunked path)", 65536, 4096, 128256, dict(reduction="none")),
