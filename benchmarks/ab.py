@@ -11,7 +11,8 @@ evaluation forward alone for ``eval``) as the median of ``--rounds`` interleaved
 fp32-logit reference (mean loss; ``none`` is the per-row loss summed over the counted rows).
 Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` (recompute path,
 64 MiB), ``none`` (reduction="none", the per-row upstream gradient path), ``chunked-whole``
-(chunked path in one chunk), ``sft-chunked`` / ``grpo-chunked`` (the same in one chunk), ``chunked-256M``, ``chunked-960M``, ``chunked-1G``, ``master`` / ``master-448M`` / ``master-recompute``
+(chunked path in one chunk), ``sft-chunked`` / ``grpo-chunked`` (the same in one chunk), ``chunked-256M``, ``chunked-960M``, ``chunked-1G``, ``auto-1.25G`` ("auto" with
+``chunk_bytes=1280 << 20``: at S4 the chunked path in 4096-row chunks with a 4-bit remainder), ``master`` / ``master-448M`` / ``master-recompute``
 (fp32 hidden and weight under ``torch.autocast(bfloat16)``: an fp32 master weight), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
 ``bench_logprobs.py``'s outputs; sft's loss is the mean NLL, so its errors are against the same
 reference; grpo's errors are against that reference too and only compare packages with each other).
@@ -53,6 +54,7 @@ SETTINGS = {
     "sft-chunked": dict(outputs=WORKLOADS["sft"][0], strategy="chunked", chunk_bytes=1 << 50),
     "grpo-chunked": dict(outputs=WORKLOADS["grpo"][0], strategy="chunked", chunk_bytes=1 << 50),
     "chunked-256M": dict(strategy="chunked", chunk_bytes=256 * MiB),
+    "auto-1.25G": dict(chunk_bytes=1280 * MiB),  # at long context the chunked path, bf16 + 4-bit pair
     "chunked-960M": dict(strategy="chunked", chunk_bytes=960 * MiB),
     "chunked-1G": dict(strategy="chunked", chunk_bytes=1024 * MiB),
     # an fp32 weight and fp32 hidden states under torch.autocast(bfloat16): a master weight
