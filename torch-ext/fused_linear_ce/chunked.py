@@ -17,7 +17,8 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.chunk_rows``):
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). With more than one
 chunk, a bf16 grad_weight is summed across them as a compensated pair, itself and an int8 V x H
 remainder (``products.compensated``: ~16 bits of the running sum, V x H bytes where an fp32 buffer
-took 4); an fp32 one (fp16's unit gradients, an fp32 master weight) is its own accumulator, and
+took 4; "auto" at long context: a 4-bit remainder, V x H / 2 bytes, ~12 bits, ``long_context_budget``);
+an fp32 one (fp16's unit gradients, an fp32 master weight) is its own accumulator, and
 a master weight's with bf16 products is summed unscaled by cuBLAS and scaled once at the end. The
 logits are never rounded before the softmax.
 

@@ -9,6 +9,8 @@ runs it, and a 16-bit result is rounded once.
   16-bit result ``hi`` and a bf16 remainder ``lo`` (``compensation_buffer``), the pair in place of an
   fp32 accumulator across many products (a chunked grad_weight): hi + lo holds the running sum to
   ~16-17 bits of mantissa (bf16 hi) or ~19-20 (fp16 hi), and ``hi`` ends as that sum rounded once.
+  For a bf16 hi the remainder may be int8 (the same ~16 bits in one byte) or 4-bit, two a byte
+  (~12 bits in half a byte: the long-context default's grad_weight).
 - ``accumulate``: acc (+)= a @ b into an fp32 buffer: cuBLAS with an fp32 result (``out_dtype``),
   whose split-K partial sums are fp32 whatever torch's reduced-precision-reduction flags say (they
   only allow reductions in a 16-bit output type).
