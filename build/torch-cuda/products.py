@@ -329,23 +329,14 @@ def pair_of(s, hi_dtype: tl.constexpr, lo_dtype: tl.constexpr, BF16_EMULATION: t
         lsb = (bits >> 16) & 1
         top = (bits + 0x7FFF + lsb) >> 16  # bf16 round to nearest even, on the bits (NaN apart below)
         rest = bits - (top << 16)
-        lo = tl.minimum((rest + 0x80) >> 8, 127)
-        nan = s != s
-        overflow = (top & 0x7FFF) == 0x7F80  # s rounded to inf (or was inf): no remainder
-        lo = tl.where(nan | overflow, 0, lo)
-        top = tl.where(nan, 0x7FC0, top)
-        return top.to(tl.int16).to(tl.bfloat16, bitcast=True), lo.to(tl.int8)
+        hi, lo = special_values(s, top, tl.minimum((rest + 0x80) >> 8, 127))
+        return hi, lo.to(tl.int8)
     # The code after a compile-time branch's return is still generated: one if / else from here.
     if lo_dtype == tl.uint8:
         bits = s.to(tl.int32, bitcast=True)
         q = (bits + 0x800) >> 12  # patterns of one sign are monotonic: rounds the magnitude half up
         top = (q + 8) >> 4
-        rest = q - (top << 4)
-        nan = s != s
-        overflow = (top & 0x7FFF) == 0x7F80  # s rounded to inf (or was inf): no remainder
-        rest = tl.where(nan | overflow, 0, rest)
-        top = tl.where(nan, 0x7FC0, top)
-        hi = top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi, rest = special_values(s, top, q - (top << 4))
         lo = pack_nibbles(rest)
     else:
         hi = round_to(s, hi_dtype, BF16_EMULATION)
@@ -353,6 +344,18 @@ def pair_of(s, hi_dtype: tl.constexpr, lo_dtype: tl.constexpr, BF16_EMULATION: t
         rest = tl.where(tl.abs(rest) <= 3.4028234663852886e38, rest, 0.0)
         lo = round_to(rest, lo_dtype, BF16_EMULATION)
     return hi, lo
+
+
+@triton.jit
+def special_values(s, top, rest):
+    """The integer splits' bf16 hi from ``top`` (s's bits rounded to their top 16) and their
+    remainder ``rest``, with NaN and overflow: a NaN s gives a NaN hi, and where s rounded to inf
+    (or was inf) there is no remainder."""
+    nan = s != s
+    overflow = (top & 0x7FFF) == 0x7F80
+    rest = tl.where(nan | overflow, 0, rest)
+    top = tl.where(nan, 0x7FC0, top)
+    return top.to(tl.int16).to(tl.bfloat16, bitcast=True), rest
 
 
 @triton.jit
