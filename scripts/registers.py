@@ -53,6 +53,9 @@ class Case:
     # the hints a pointer kernel compiles for unaligned accesses: the chunked gradient kernel with 32
     # registers and 4.5-6 KB of stack, where a real launch gets no spill.
     divisible: bool = True
+    # Integer arguments that are 1 at the launch (Triton specialises a 1 into a constant): the chunked
+    # buffer's class stride, or its row stride where the buffer is class-major (hosted in grad_weight).
+    unit_strides: tuple = ("stride_ev",)
 
 
 def cases() -> list[Case]:
@@ -91,17 +94,17 @@ def cases() -> list[Case]:
                     dict(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=lo_block),
                     cfg.num_warps, cfg.num_stages, lo_dtype=lo_dtype)
 
-    def gradient(name, entropy_grad, bias_grad, rows=None, warps=None):
+    def gradient(name, entropy_grad, bias_grad, rows=None, warps=None, class_major=False):
         """The chunked path's in-place gradient kernel (pointer loads) as ``chunked.gradient_in_place``
         launches it: the sweep's vocabulary tiles, ``gradient_rows`` / ``gradient_warps`` unless given."""
         from fused_linear_ce import chunked as chunked_module
 
-        rows = rows or chunked_module.gradient_rows(chunked, entropy_grad)
-        warps = warps or chunked_module.gradient_warps(chunked, entropy_grad)  # never interpreted here
+        rows = rows or chunked_module.gradient_rows(chunked, entropy_grad, class_major)
+        warps = warps or chunked_module.gradient_warps(chunked, entropy_grad, class_major)  # never interpreted here
         return Case(name, "softmax_gradient_kernel", "chunked",
                     dict(HAS_SOFTCAP=False, SMOOTHING=False, ENTROPY_GRAD=entropy_grad, HAS_CLASS_WEIGHT=False,
                          BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked.block_v, BF16_EMULATION=False),
-                    {}, warps, 1)
+                    {}, warps, 1, unit_strides=("stride_e",) if class_major else ("stride_ev",))
 
     return [
         Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
@@ -115,6 +118,11 @@ def cases() -> list[Case]:
              dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
                   STORE_E=True, E_TMA=True,
                   GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps, chunked.num_stages),
+        Case("chunked sweep, class-major", "lse_sweep_kernel", "sweep",
+             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
+                  STORE_E=True, E_TMA=True, E_T=True, GROUP_M=chunked.group_m),
+             dict(chunk_descs, e_desc=(chunked.block_v, chunked.block_n)), chunked.num_warps, chunked.num_stages,
+             unit_strides=("stride_e",)),
         Case("sweep, every per-token field", "lse_sweep_kernel", "sweep",
              dict(forward, METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False), descs,
              sweep.num_warps, sweep.num_stages),
@@ -142,6 +150,8 @@ def cases() -> list[Case]:
         pair("matmul, paired rows", pr, A_T=False, lo_dtype="i8"),
         pair("matmul, compensated int8, unsplit", dataclasses.replace(mm, split_pair=False), A_T=False, lo_dtype="i8"),
         gradient("chunked gradient", entropy_grad=False, bias_grad=False),
+        gradient("chunked gradient, class-major", entropy_grad=False, bias_grad=False, class_major=True),
+        gradient("chunked gradient, class-major, bias gradient", entropy_grad=False, bias_grad=True, class_major=True),
         gradient("chunked gradient, bias gradient", entropy_grad=False, bias_grad=True),
         gradient("chunked gradient, entropy gradient", entropy_grad=True, bias_grad=False),
         gradient("chunked gradient, entropy and bias gradients", entropy_grad=True, bias_grad=True),
@@ -262,6 +272,9 @@ def compile_case(case: Case, workdir: Path) -> dict:
     from fused_linear_ce import configs
 
     fn = getattr(importlib.import_module(f"fused_linear_ce.{case.module}"), case.kernel)
+    # A launch specialises an integer argument of 1 into a constant: the buffers' unit strides.
+    units = {arg: 1 for arg in case.unit_strides if arg in fn.arg_names}
+    case = dataclasses.replace(case, constexprs={**units, **case.constexprs})
     signature = _signature(fn, case)
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if case.divisible and (signature[arg].startswith("*") or signature[arg] == "i32")}

@@ -91,6 +91,7 @@ GPU_SECONDS = {
     "test_gpu_scale.py": 40,  # measured 38 (estimate was 45); Llama-3 lm-head shape, float64 chunked reference (31-40 s measured, v20-v22)
     "test_grad_semantics.py": 15,  # measured 15 (estimate was 76)
     "test_hosted_accumulator.py": 10,  # measured 8 (estimate was 10); 4 small recompute backwards, twice each
+    "test_hosted_chunk.py": 20,  # estimate; 15 small chunked calls, one under autocast
     "test_gradient_scaling.py": 5,
     "test_hub_cache.py": 30,  # kernels CLI subprocesses (failed at once there: no `cryptography`)
     "test_ignored_blocks.py": 30,  # measured 27 (estimate was 60)
@@ -143,6 +144,7 @@ GPU_TIER = {
     # in its shard.
     "test_pingpong.py": ("-bf16]", "vocabulary_shard", "take_it"),
     "test_hosted_accumulator.py": True,
+    "test_hosted_chunk.py": True,
     "test_products.py": True,
     "test_compensated.py": ("test_ragged_edges_through_descriptors_and_pointers[tma-bf16]",),
     "test_master_weight.py": ("test_extra_memory_is_the_weight_copy_and_the_chunk",),

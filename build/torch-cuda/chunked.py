@@ -62,7 +62,20 @@ def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master
     if chunked_unsupported(opts) is not None:
         return False
     return (master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
+            or hosted_slab_rows(opts, n, v, h, dtype, needs[1], master) is not None
             or long_context_budget(opts, n, v, h, dtype, needs, master, sharded) is not None)
+
+
+def hosted_slab_rows(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, need_dw: bool,
+                     master: bool) -> int | None:
+    """The slab rows (``plan.hosted_slab_rows``) when this call runs in one chunk whose (N, V) buffer
+    lives in grad_weight's memory: grad_weight is wanted, the whole buffer does not fit in
+    ``chunk_bytes`` beside it, and N elements of the input dtype fit in a row of grad_weight
+    (``weight_grad_dtype``; ``master``: an fp32 master weight). Else None."""
+    if not need_dw or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True):
+        return None
+    dw_dtype = torch.float32 if master else unit_dtype(dtype)
+    return plan.hosted_slab_rows(n, v, h, dtype, dw_dtype, opts.chunk_bytes)
 
 
 def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool,
@@ -130,6 +143,10 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             budget, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
     rows = plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
+    # One chunk of all rows in grad_weight's own memory where it fits there (``hosted_slab_rows``).
+    slab = None if lean is not None else hosted_slab_rows(opts, n, v, h, dtype, need_dw, master)
+    if slab is not None:
+        rows = n
     n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
     one = torch.ones((), device=where)
@@ -163,10 +180,14 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
-    # subnormal, an absolute error under 3e-8 of the tile's largest entry).
-    buffer = device.new((rows, v), dtype, where)
-    n_row_blocks = triton.cdiv(rows, cfg.block_n)
-    dbias = device.new((n_row_blocks, v), torch.float32, where) if need_db else None
+    # subnormal, an absolute error under 3e-8 of the tile's largest entry). Hosted: class-major in
+    # grad_weight's memory, class v's N entries in the first bytes of grad_weight's row v.
+    if slab is not None:
+        buffer = grad_weight.view(dtype)[:, :n].t()
+    else:
+        buffer = device.new((rows, v), dtype, where)
+    bias_rows = gradient_rows(cfg, False, slab is not None)  # the gradient kernel's, per partial sum
+    dbias = device.new((triton.cdiv(rows, bias_rows), v), torch.float32, where) if need_db else None
     parts = []
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
@@ -193,14 +214,16 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         del tile_stats
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
-        if deferred_dw:
+        if slab is not None and need_dw:
+            hosted_weight_grad(da, hidden, grad_weight, slab, chunk_unscale)
+        elif deferred_dw:
             products.accumulate(da.t(), hidden[sl], grad_weight, row0 == 0)
         elif need_dw and dw_lo is not None:
             products.compensated(da.t(), hidden[sl], grad_weight, dw_lo, row0 > 0, chunk_unscale)
         elif need_dw:
             products.product(da.t(), hidden[sl], grad_weight, row0 > 0, chunk_unscale)
         if need_db:
-            products.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
+            products.add_bias_sums(db_acc, dbias, r, bias_rows, chunk_unscale)
 
     if deferred_dw:  # the factor every chunk shares, once, in place
         products.scale(grad_weight, chunk_unscale, out=grad_weight)
@@ -212,6 +235,20 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias
 
 
+def hosted_weight_grad(da, hidden, grad_weight, slab: int, unscale) -> None:
+    """grad_weight = (da^T @ hidden) * unscale where da (N, V) is class-major in grad_weight's own
+    memory (class v in the first bytes of row v): ``slab`` rows at a time into a slab-sized buffer,
+    each copied over the rows of da its product has just read. A slab's product cannot write its
+    rows directly: they hold the da it reads."""
+    v = grad_weight.shape[0]
+    out = device.new((min(slab, v), grad_weight.shape[1]), grad_weight.dtype, grad_weight.device)
+    for v0 in range(0, v, slab):
+        rows = slice(v0, min(v, v0 + slab))
+        part = out[: rows.stop - v0]
+        products.product(da.t()[rows], hidden, part, False, unscale)
+        grad_weight[rows].copy_(part)
+
+
 def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weight, dbias, opts: Options, shard, cfg):
     """Turns a chunk's exponentials ``e`` (R, V) (the sweep's STORE_E, its per-split statistics
     ``tile_stats`` and RowStats ``stats``) into da in place with the per-row coefficients ``coef``
@@ -219,12 +256,13 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
     when given; returns da (``e`` itself)."""
     r, v = e.shape
     _, _, softcap_out, grad_scale = opts.kernel_scales()
-    entropy_grad = coef.shape[0] > 3
-    block_n, warps = gradient_rows(cfg, entropy_grad), gradient_warps(cfg, entropy_grad)
+    entropy_grad, class_major = coef.shape[0] > 3, e.stride(1) != 1
+    block_n = gradient_rows(cfg, entropy_grad, class_major)
+    warps = gradient_warps(cfg, entropy_grad, class_major)
     softmax_gradient_kernel[(triton.cdiv(r, block_n), triton.cdiv(v, cfg.block_v))](
         e, e, tile_stats, stats.lse2, coef, stats.z_target, targets,
         class_weight if class_weight is not None else coef, dbias if dbias is not None else coef,
-        0, r, v, r, e.stride(0), e.stride(0), targets.stride(0), grad_scale, softcap_out,
+        0, r, v, r, e.stride(0), e.stride(1), targets.stride(0), grad_scale, softcap_out,
         shard.offset if shard is not None else 0,
         HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=entropy_grad,
         HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=dbias is not None,
@@ -238,24 +276,31 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
 # tiles; benchmarks/results/chunk_kernels/): without the entropy gradient the sweep's 128 rows and
 # 4 warps take 2.18 ms (8 warps 2.55, the copy of the chunk 0.98; 1-2 warps on 32-64 rows 2.13-2.23);
 # with it 128 rows spill into 6.26 ms at 8 warps and 3.76 at 4, where 32 rows with 8 warps take 3.21.
-def gradient_rows(cfg, entropy_grad: bool) -> int:
+# A class-major buffer (hosted in grad_weight, rows contiguous) compiles differently (sm_90, offline,
+# scripts/registers.py): the sweep's 128 rows spill 704 bytes at 4 warps, 120 at 8; 64 rows with 16
+# warps take 98 registers and no stack.
+def gradient_rows(cfg, entropy_grad: bool, class_major: bool = False) -> int:
     """Rows of a ``softmax_gradient_kernel`` program, and of its bias partial sums (``dbias``): the
-    sweep's row block, a quarter of it with the entropy gradient (each program keeps a tile of the
-    sweep's vocabulary width, so each row still has one tile max per tile)."""
-    return max(1, cfg.block_n // 4) if entropy_grad else cfg.block_n
+    sweep's row block, a quarter of it with the entropy gradient, at most 64 for a class-major
+    buffer (each program keeps a tile of the sweep's vocabulary width, so each row still has one
+    tile max per tile)."""
+    if entropy_grad:
+        return max(1, cfg.block_n // 4)
+    return min(cfg.block_n, 64) if class_major else cfg.block_n
 
 
-def gradient_warps(cfg, entropy_grad: bool) -> int:
-    """Warps of a ``softmax_gradient_kernel`` program: the sweep's, 8 with the entropy gradient."""
+def gradient_warps(cfg, entropy_grad: bool, class_major: bool = False) -> int:
+    """Warps of a ``softmax_gradient_kernel`` program: the sweep's, 8 with the entropy gradient, 16
+    for a class-major buffer."""
     if device.interpreted():
         return 1
-    return 8 if entropy_grad else cfg.num_warps
+    return 8 if entropy_grad else 16 if class_major else cfg.num_warps
 
 
 @triton.jit
 def softmax_gradient_kernel(
     e_ptr,  # (R, V) in: exp(z - m_tile) [* softcap'(z)], the input dtype
-    da_ptr,  # (R, V) out, the input dtype; the same memory as e_ptr (in place)
+    da_ptr,  # (R, V) out, the input dtype; the same memory as e_ptr (in place), the same strides
     tile_max_ptr,  # (T, R) fp32: each tile's row max m_tile (plane 0 of the sweep's statistics)
     lse_ptr,  # (2, N) fp32: row max m and log-sum (rows row0 .. row0 + R of them)
     coef_ptr,  # (3, R) fp32: A, B, C of the chunk's rows; (5, R) with ENTROPY_GRAD: also E and S
@@ -267,8 +312,8 @@ def softmax_gradient_kernel(
     R,
     V,
     N,
-    stride_e,
-    stride_da,
+    stride_e,  # the buffer's row stride
+    stride_ev,  # its class stride: 1, or 1 the row stride where the buffer is class-major
     stride_t,
     grad_scale,  # the chain's factor dz -> da (Options.kernel_scales)
     softcap_out,  # the tanh's output scale (Options.kernel_scales)
@@ -298,7 +343,8 @@ def softmax_gradient_kernel(
     mask_v = offs_v < V
     mask = mask_n[:, None] & mask_v[None, :]
 
-    e = tl.load(e_ptr + local[:, None] * stride_e + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    offsets = local[:, None] * stride_e + offs_v[None, :] * stride_ev
+    e = tl.load(e_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m_tile = tl.load(tile_max_ptr + pid_v.to(tl.int64) * R + local)
     row_max = tl.load(lse_ptr + rows)
     log_sum = tl.load(lse_ptr + N + rows)
@@ -331,5 +377,5 @@ def softmax_gradient_kernel(
     # Smoothing never comes with a softcap on this path (the host routes that to the recompute path).
     d = label_terms(d, coef_b, coef_ptr + 2 * R + local, class_weight_ptr, offs_v, mask_v, SMOOTHING, HAS_CLASS_WEIGHT)
     d = d * grad_scale
-    store_dlogits(d, da_ptr + local_n[:, None] * stride_da + offs_v[None, :], mask, mask_v,
+    store_dlogits(d, da_ptr + offsets, mask, mask_v,
                   dbias_ptr + pid_n.to(tl.int64) * V + offs_v, BIAS_GRAD, BF16_EMULATION)

@@ -28,6 +28,10 @@ DEFAULT_PAIRED_BYTES = 512 << 20
 # remainder 428 ms a step against 357 in 4096-row chunks and 478 for the paired recompute plan, so
 # ~1.5 ms a chunk; at 512 rows the chunks' overhead would pass the recompute plan's).
 LEAN_MIN_ROWS = 1024
+# The chunked path's buffer hosted in grad_weight (``hosted_slab_rows``): the fewest vocabulary rows of
+# a slab of grad_weight computed at a time (a 1024 x 4096 product still fills the H200's 132 SMs with
+# 128 x 256 tiles; a multiple of 16, as every slab's first row must be for TMA).
+HOSTED_MIN_ROWS = 1024
 # The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
 # this share (``vocab_splits``).
 _WAVE_EFFICIENCY = 0.95
@@ -61,6 +65,24 @@ def lean_chunk_bytes(v: int, h: int, dtype: torch.dtype, chunk_bytes: int | None
     chunks by default, 4096 in 1.25 GiB. Which calls take it: ``chunked.long_context_budget``."""
     budget = (DEFAULT_PAIRED_BYTES if chunk_bytes is None else chunk_bytes) - v * triton.cdiv(h, 2)
     return budget if budget // max(1, v * dtype.itemsize) >= LEAN_MIN_ROWS else None
+
+
+def hosted_slab_rows(n: int, v: int, h: int, dtype: torch.dtype, dw_dtype: torch.dtype,
+                     chunk_bytes: int | None) -> int | None:
+    """The chunked path in one chunk of all N rows whose (N, V) buffer lives in grad_weight's own
+    memory: the vocabulary rows of each slab of grad_weight computed at a time (into a slab-sized
+    buffer within ``chunk_bytes``, then copied over the buffer's spent rows), or None where it does
+    not apply. The buffer is class-major, its class v in grad_weight's row v: N elements of
+    ``dtype`` must fit in a row of H of ``dw_dtype`` (N <= H for bf16, N <= 2H for an fp32 master
+    weight's gradient), and a slab of at least HOSTED_MIN_ROWS rows (or all V) in ``chunk_bytes``
+    (default DEFAULT_CHUNKED_BYTES). At 8192 x 4096 x 128256 with an fp32 master weight: three
+    products in one chunk instead of 2048-row chunks each summing into the 2 GiB gradient, the 2 GiB
+    buffer in it, a 256 MiB slab beside it (``chunked.forward``)."""
+    row_bytes = h * dw_dtype.itemsize
+    if n * dtype.itemsize > row_bytes or n == 0:
+        return None
+    rows = min(v, chunk_budget(chunk_bytes, chunked=True) // max(1, row_bytes) // 16 * 16)
+    return rows if rows >= min(v, HOSTED_MIN_ROWS) and rows > 0 else None
 
 
 def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:

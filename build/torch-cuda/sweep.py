@@ -184,20 +184,26 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     group_m = cfg.group_m if e_out is not None else 0  # one tile a program: the grouped 1-D grid
     grid = (n_blocks * splits,) if group_m else (n_blocks, splits)
     hidden_desc, weight_desc, tma = device.logit_descriptors(hidden, weight, cfg)
-    # The chunked path's exp(z - m_tile) goes out through a descriptor too where its layout allows:
-    # a 2-D tile of store pointers spills registers.
-    e_tma = e_out is not None and tma and device.tma_layout(e_out)
-    e_desc = TensorDescriptor.from_tensor(e_out, [cfg.block_n, cfg.block_v]) if e_tma else stats
+    # The chunked path's exp(z - m_tile) goes out through a descriptor too where its layout allows
+    # (a 2-D tile of store pointers spills registers): over the buffer, or over its transpose when
+    # the buffer is class-major (``chunked``'s buffer hosted in grad_weight's memory).
+    e_t = e_out is not None and e_out.stride(1) != 1
+    e_tma = e_out is not None and tma and device.tma_layout(e_out.t() if e_t else e_out)
+    e_desc = stats
+    if e_tma:
+        e_desc = (TensorDescriptor.from_tensor(e_out.t(), [cfg.block_v, cfg.block_n]) if e_t
+                  else TensorDescriptor.from_tensor(e_out, [cfg.block_n, cfg.block_v]))
+    stride_e = (e_out.stride(0), e_out.stride(1)) if e_out is not None else (0, 0)
     lse_sweep_kernel[grid](
         hidden, weight, bias_arg, targets, class_weight if class_weight is not None else stats, stats, argmax, z_target,
-        e_out if e_out is not None else stats, e_out.stride(0) if e_out is not None else 0,
+        e_out if e_out is not None else stats, *stride_e,
         hidden_desc, weight_desc, e_desc, n, v, h,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), tile_scale, softcap, softcap_out, tiles_per_split, splits, offset, opts.ignore_index,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
         SMOOTHING=smoothing, SQUARES=squares, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
-        TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma,
+        TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma, E_T=e_t,
         GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.logit_flags(hidden.dtype),
     )
@@ -215,10 +221,12 @@ def lse_sweep_kernel(
     argmax_ptr,  # (SPLIT, N) int32 out, only written when METRICS
     z_target_ptr,  # (N,) fp32 out: the target logit, written by the split that holds the target
     e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
-    stride_e,
+    stride_e,  # e's row stride
+    stride_ev,  # e's class stride: 1, or with E_T (class-major) 1 is the row stride
     hidden_desc,  # TMA: tensor descriptors (``logits.logit_tile``), else unused
     weight_desc,
-    e_desc,  # E_TMA: a tensor descriptor of the (N, V) out, blocks (BLOCK_N, BLOCK_V); else unused
+    e_desc,  # E_TMA: a tensor descriptor of the (N, V) out, blocks (BLOCK_N, BLOCK_V), or with E_T
+    # of its (V, N) transpose, blocks (BLOCK_V, BLOCK_N); else unused
     N,
     V,
     H,
@@ -251,6 +259,7 @@ def lse_sweep_kernel(
     EVEN_V: tl.constexpr = False,  # V is a multiple of BLOCK_V: no tile has columns past the end
     STORE_E: tl.constexpr = False,
     E_TMA: tl.constexpr = False,
+    E_T: tl.constexpr = False,  # e is class-major (its transpose's rows contiguous)
     GROUP_M: tl.constexpr = 0,
     SKIP_IGNORED: tl.constexpr = False,
 ):
@@ -332,11 +341,14 @@ def lse_sweep_kernel(
                 e_out = e
                 if HAS_SOFTCAP:
                     e_out = tl.where(mask_v[None, :], e * softcap_grad(z, softcap_out), 0.0)
-                if E_TMA:  # rows and classes past the end are not written
+                if E_TMA and E_T:  # rows and classes past the end are not written
+                    e_desc.store([vt * BLOCK_V, pid_n * BLOCK_N],
+                                 tl.trans(round_to(e_out, e_desc.dtype, BF16_EMULATION)))
+                elif E_TMA:
                     e_desc.store([pid_n * BLOCK_N, vt * BLOCK_V],
                                  round_to(e_out, e_desc.dtype, BF16_EMULATION))
                 else:
-                    e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :]
+                    e_ptrs = e_ptr + offs_n[:, None] * stride_e + offs_v[None, :] * stride_ev
                     tl.store(e_ptrs, round_to(e_out, e_ptr.dtype.element_ty, BF16_EMULATION),
                              mask=mask_n[:, None] & mask_v[None, :])
             is_target = tl.arange(0, BLOCK_V)[None, :] == (target_col - vt * BLOCK_V)[:, None]

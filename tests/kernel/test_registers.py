@@ -50,6 +50,8 @@ import triton
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 0, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 8,
+        "chunked sweep, class-major": 8, "chunked gradient, class-major": 0,
+        "chunked gradient, class-major, bias gradient": 0,
         "dlogits, bias gradient": 0, "matmul, da^T, compensated": 0, "matmul, compensated int8": 0, "matmul, da^T, compensated int8": 0,
         "matmul, da^T, compensated 4-bit": 0,
         "matmul": 0, "matmul, da^T": 0, "matmul, da^T, fp32 sum": 0, "matmul, pointers": 184,
