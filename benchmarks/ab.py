@@ -16,7 +16,8 @@ Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` 
 (fp32 hidden and weight under ``torch.autocast(bfloat16)``: an fp32 master weight), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
 ``bench_logprobs.py``'s outputs; sft's loss is the mean NLL, so its errors are against the same
 reference; grpo's errors are against that reference too and only compare packages with each other).
-``--liger`` adds Liger's loss (the default setting's row only) as the issue's reference point.
+``--liger`` adds Liger's loss (to every plain-loss setting's block, interleaved with it) as the
+issue's reference point.
 Prints a table last; writes ab.json under --out.
 """
 
@@ -78,7 +79,7 @@ def load_copy(name, path):
 
 class Liger:
     """Liger's fused loss (bf16 grad_weight summed across its chunks) as a package with this one's
-    call, for ``--liger``: it runs only the plain loss settings (``LIGER_SETTINGS``), its own way."""
+    call, for ``--liger``: it runs in the plain loss settings' blocks (``LIGER_SETTINGS``), its own way."""
 
     def __init__(self):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -89,7 +90,9 @@ class Liger:
         return out[0] if isinstance(out, (tuple, list)) else out
 
 
-LIGER_SETTINGS = ("default",)
+# Liger ignores the settings (its own chunks): it runs in every plain-loss block, so each of ours has
+# it interleaved in the same rounds.
+LIGER_SETTINGS = ("default", "64M", "chunked-whole", "chunked-256M", "auto-1.25G", "chunked-960M", "chunked-1G")
 
 
 def runner(package, setting, hidden, weight, targets):
@@ -140,7 +143,7 @@ def main():
     ap.add_argument("--dists", nargs="+", default=["random", "peaked"])
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--liger", action="store_true", help="also Liger's loss, at the default setting")
+    ap.add_argument("--liger", action="store_true", help="also Liger's loss, in every plain-loss setting's block")
     ap.add_argument("--out", default="benchmarks/results/ab")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -203,7 +206,8 @@ def main():
                     line += f" {r['ms']:10.2f} {r['extra_mib']:9.0f} {r.get('dx_err', float('nan')):8.1e}"
                 line += f"   {cells['new']['ms'] / cells[names[-1]]['ms']:.3f}"
                 if "liger" in cells:
-                    line += f"   liger {cells['liger']['ms']:.2f} ms {cells['liger']['extra_mib']:.0f} MiB"
+                    line += (f"   liger {cells['liger']['ms']:.2f} ms {cells['liger']['extra_mib']:.0f} MiB"
+                             f"  new/liger {cells['new']['ms'] / cells['liger']['ms']:.3f}")
                 print(line)
 
 

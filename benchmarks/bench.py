@@ -95,15 +95,18 @@ WHOLE = 1 << 50  # "chunked:whole": a chunk_bytes no plane reaches, so one chunk
 
 
 def parse_setting(text):
-    """'64M' (the recompute path with that chunk_bytes) or 'chunked:1G' / 'chunked:whole' (the
-    chunked path) -> (name suffix, keyword arguments)."""
+    """'64M' (the recompute path with that chunk_bytes), 'chunked:1G' / 'chunked:whole' (the
+    chunked path) or 'auto:1280M' ("auto" with that chunk_bytes: at S4 the long-context chunked
+    path) -> (name suffix, keyword arguments)."""
     strategy, _, size = text.strip().rpartition(":")
-    if strategy not in ("", "chunked", "recompute"):
-        raise argparse.ArgumentTypeError(f"bad setting {text!r}; use e.g. 64M, chunked:1G, chunked:whole")
+    if strategy not in ("", "chunked", "recompute", "auto"):
+        raise argparse.ArgumentTypeError(f"bad setting {text!r}; use e.g. 64M, chunked:1G, chunked:whole, auto:1280M")
     nbytes = WHOLE if size == "whole" else parse_size(size)
     label = "whole" if nbytes == WHOLE else size_label(nbytes)
     if strategy == "chunked":
         return f"chunked-{label}", dict(strategy="chunked", chunk_bytes=nbytes)
+    if strategy == "auto":
+        return f"auto-{label}", dict(chunk_bytes=nbytes)
     return label, dict(strategy="recompute", chunk_bytes=nbytes)
 
 
@@ -372,8 +375,8 @@ def main(argv=None):
     ap.add_argument("--dists", default="random,peaked", help="random and/or peaked (default %(default)s)")
     ap.add_argument("--methods", default="*", help="comma-separated names or globs, e.g. 'flce*,torch' (default all)")
     ap.add_argument("--settings", default=None, help="extra settings of ours: chunk_bytes of the recompute path "
-                    "(64M) or of the chunked path (chunked:1G, chunked:whole); default "
-                    "64M,128M,1G,chunked:256M,chunked:1G,chunked:whole")
+                    "(64M), of the chunked path (chunked:1G, chunked:whole) or of \"auto\" (auto:1280M); default "
+                    "64M,128M,1G,chunked:256M,chunked:1G,chunked:whole,auto:1280M")
     ap.add_argument("--ref-precision", choices=("tf32", "ieee"), default="tf32", help="fp32 reference matmuls (default %(default)s)")
     ap.add_argument("--tiny", action="store_true", help="one tiny shape; runs on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--quick", action="store_true", help="fewer timing reps")
@@ -392,7 +395,7 @@ def main(argv=None):
         ap.error("no CUDA GPU: only --tiny runs on the CPU")
     dists = [d.strip() for d in args.dists.split(",") if d.strip()]
     settings_text = args.settings or ("4K,chunked:4K,chunked:whole" if args.tiny
-                                      else "64M,128M,1G,chunked:256M,chunked:1G,chunked:whole")
+                                      else "64M,128M,1G,chunked:256M,chunked:1G,chunked:whole,auto:1280M")
     settings = [parse_setting(s) for s in settings_text.split(",") if s.strip()]
 
     notes = []
