@@ -135,18 +135,18 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         return (stats, *zeros)
     master = dw_dtype == torch.float32 and dtype != torch.float32
     lean = long_context_budget(opts, n, v, h, dtype, (need_dx, need_dw, need_db), master, shard is not None)
+    # One chunk of all rows in grad_weight's own memory where it fits there (``hosted_slab_rows``).
+    slab = None if lean is not None else hosted_slab_rows(opts, n, v, h, dtype, need_dw, master)
     budget = opts.chunk_bytes if lean is None else lean
+    if budget is None and master and slab is None:
+        budget = plan.DEFAULT_MASTER_BYTES
     if cfg is None:
         cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
             hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c,
             dw_dtype=dw_dtype),
             budget, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
-    rows = plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
-    # One chunk of all rows in grad_weight's own memory where it fits there (``hosted_slab_rows``).
-    slab = None if lean is not None else hosted_slab_rows(opts, n, v, h, dtype, need_dw, master)
-    if slab is not None:
-        rows = n
+    rows = n if slab is not None else plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
     n_chunks = triton.cdiv(n, rows)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
     one = torch.ones((), device=where)

@@ -20,6 +20,11 @@ DEFAULT_CHUNK_BYTES = 192 << 20
 # the weight gradient's V x H sum once more, and a master weight's default step measured 6-7% slower
 # in 192 MiB chunks (H200, S1 52.8 against 49.8 ms, S4 411 against 383; benchmarks/results/ab/).
 DEFAULT_CHUNKED_BYTES = 256 << 20
+# The chunked path's default for an fp32 master weight in several chunks (not hosted in its gradient):
+# the fp32 gradient is the sum's own accumulator, so the chunk is nearly all the extra memory. 448 MiB:
+# H200, S4 (65536 x 4096 x 128256) 369.7 against 378.2 ms at 256 MiB, 481 MiB beside autocast's bf16
+# weight copy (NOTES v22, benchmarks/results/ab/), under issue 22's 512.
+DEFAULT_MASTER_BYTES = 448 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
 DEFAULT_PAIRED_BYTES = 512 << 20

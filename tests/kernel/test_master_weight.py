@@ -371,3 +371,27 @@ def test_no_16bit_weight_copy_is_held_from_the_forward_to_the_backward(api):
 
     assert saved_weight_copies(cast_first=False) == [torch.float32]
     assert torch.bfloat16 in saved_weight_copies(cast_first=True)  # not vacuous: the cast copy is kept
+
+
+def test_several_chunks_take_the_master_default_budget_and_one_chunk_is_hosted(monkeypatch):
+    """"auto" with no ``chunk_bytes``: a master weight whose bf16 plane does not fit in its fp32
+    gradient (N > 2H) runs chunks of ``plan.DEFAULT_MASTER_BYTES`` (448 MiB on the GPU; 64 rows here),
+    each summed into the gradient (``products.accumulate``, first writing); where it fits (N <= 2H,
+    S1's 8192 x 4096) one chunk lives in the gradient itself (``tests/kernel/test_hosted_chunk.py``)."""
+    hidden, weight, targets = _problem()  # N = 200 > 2H = 96
+    calls = []
+    original = products.accumulate
+
+    def spy(a, b, acc, first):
+        calls.append((tuple(acc.shape), first))
+        return original(a, b, acc, first)
+
+    monkeypatch.setattr(products, "accumulate", spy)
+    monkeypatch.setattr(plan_module, "DEFAULT_MASTER_BYTES", 64 * V * 2)
+    _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=False)
+    assert calls == [((V, H), i == 0) for i in range(4)]  # 200 rows in 64-row chunks
+    calls.clear()
+    monkeypatch.setattr(plan_module, "DEFAULT_MASTER_BYTES", N * V * 2)  # the whole plane: one chunk
+    _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=False)
+    assert calls == []
+    assert chunked.hosted_slab_rows(chunked.Options(), 8192, 128256, 4096, torch.bfloat16, True, True) is not None
