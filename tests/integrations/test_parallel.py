@@ -36,6 +36,9 @@ SHARDED_CASES = [
          strategy="chunked"),
     dict(reduction="mean", dtype=torch.bfloat16, bias=True, logit_scale=0.7, softcap=3.0, return_metrics=True,
          strategy="chunked", chunk_bytes=16 * 48 * 2),
+    # One chunk in each shard's grad_weight (class-major, 16-row slabs; N = 23 <= H = 40 in bf16).
+    dict(reduction="mean", dtype=torch.bfloat16, bias=True, ignored=0.2, return_metrics=True, chunk_bytes=16 * 40 * 2,
+         strategy="chunked", hosted=True),
     # Rows 16-47 ignored: whole row blocks (16 rows on the interpreter) that skip their logit tiles on
     # every rank (no returned lse, so the recompute path skips too); their neutral statistics merge.
     dict(reduction="mean", blocky=True, return_lse=False, return_metrics=True, shape=(53, 40, 96)),
@@ -96,6 +99,12 @@ def _sharded_worker(rank, world, port, index):
         opts = {k: spec.pop(k) for k in ("return_metrics", "label_smoothing", "z_loss", "chunk_bytes", "strategy",
                                          "return_lse") if k in spec}
         blocky = spec.pop("blocky", False)
+        hosted = []
+        if spec.pop("hosted", False):  # small slabs; count the hosted calls (the whole and the shard)
+            from fused_linear_ce import chunked, plan
+            plan.HOSTED_MIN_ROWS = 16
+            real = chunked.hosted_weight_grad
+            chunked.hosted_weight_grad = lambda *a: hosted.append(a[3]) or real(*a)
         case = Case(*spec.pop("shape", (23, 40, 96)), **{k: v for k, v in spec.items()
                                                          if k in Case.__dataclass_fields__})
         kwargs = dict(reduction=case.reduction, ignore_index=case.ignore_index, logit_scale=case.logit_scale,
@@ -114,6 +123,8 @@ def _sharded_worker(rank, world, port, index):
         dist.barrier()
         tol = 1e-5 if case.dtype == torch.float32 else 1e-2
         assert rel_err(part[0], full[0]) < 1e-5, "loss"
+        if "hosted" in SHARDED_CASES[index]:
+            assert hosted == [16, 16], hosted
         assert rel_err(part[2], full[2]) < 1e-6, "lse"
         if full[1] is not None:
             for k in full[1]:
