@@ -99,8 +99,8 @@ def cases() -> list[Case]:
         launches it: the sweep's vocabulary tiles, ``gradient_rows`` / ``gradient_warps`` unless given."""
         from fused_linear_ce import chunked as chunked_module
 
-        rows = rows or chunked_module.gradient_rows(chunked, entropy_grad, class_major)
-        warps = warps or chunked_module.gradient_warps(chunked, entropy_grad, class_major)  # never interpreted here
+        rows = rows or chunked_module.gradient_rows(chunked, entropy_grad)
+        warps = warps or chunked_module.gradient_warps(chunked, entropy_grad)  # never interpreted here
         return Case(name, "softmax_gradient_kernel", "chunked",
                     dict(HAS_SOFTCAP=False, SMOOTHING=False, ENTROPY_GRAD=entropy_grad, HAS_CLASS_WEIGHT=False,
                          BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked.block_v, BF16_EMULATION=False),

@@ -76,10 +76,12 @@ def main():
             for name, ms in times.most_common(12):
                 print(f"  {ms:8.3f}  {name}")
     # The class-major gradient kernel's programs: (rows, warps), whole hosted steps.
+    # (Run at 6597d0a, where these functions took a class_major flag; the hosted steps here are the
+    # only chunked calls, so every gradient kernel launch in them is class-major.)
     real_rows, real_warps = chunked.gradient_rows, chunked.gradient_warps
     for rows, warps in ((128, 4), (128, 8), (64, 8), (64, 16), (32, 8)):
-        chunked.gradient_rows = lambda cfg, ent, cm=False, r=rows: r if cm and not ent else real_rows(cfg, ent, cm)
-        chunked.gradient_warps = lambda cfg, ent, cm=False, wp=warps: wp if cm and not ent else real_warps(cfg, ent, cm)
+        chunked.gradient_rows = lambda cfg, ent, r=rows: real_rows(cfg, ent) if ent else r
+        chunked.gradient_warps = lambda cfg, ent, wp=warps: real_warps(cfg, ent) if ent else wp
         for kind in SHAPES:
             step = stepper(kind, {})
             step()

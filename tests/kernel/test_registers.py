@@ -24,7 +24,10 @@ grad_hidden, ``BackwardPlan.paired``; the chunked path's weight gradient): 104 b
 epilogue held the whole tile's old pair beside the accumulator ("matmul, compensated int8, unsplit",
 reported); on the tile's two column halves in turn (the configs' ``split_pair``, NOTES v21), 0, held.
 With a 4-bit remainder two a byte (the chunked path's weight gradient at long context, NOTES v28):
-0, held (216 registers against the int8 pair's 202).
+0, held (216 registers against the int8 pair's 202). The chunked buffer hosted class-major in
+grad_weight (NOTES v29): its sweep stores a transposed tile through a descriptor (8 bytes, as the
+row-major one) and the gradient kernel spilled 704 bytes while its offsets came from clamped rows
+(which also cost its coalescing); from the unclamped rows 0, held.
 
 Since v22 every pointer and integer argument is compiled as divisible by 16, as a launch at the
 package's shapes specialises them (without the hints, ``--unaligned``, the figures are those of

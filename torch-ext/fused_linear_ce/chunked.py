@@ -186,8 +186,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         buffer = grad_weight.view(dtype)[:, :n].t()
     else:
         buffer = device.new((rows, v), dtype, where)
-    bias_rows = gradient_rows(cfg, False, slab is not None)  # the gradient kernel's, per partial sum
-    dbias = device.new((triton.cdiv(rows, bias_rows), v), torch.float32, where) if need_db else None
+    n_row_blocks = triton.cdiv(rows, cfg.block_n)
+    dbias = device.new((n_row_blocks, v), torch.float32, where) if need_db else None
     parts = []
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
@@ -223,7 +223,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         elif need_dw:
             products.product(da.t(), hidden[sl], grad_weight, row0 > 0, chunk_unscale)
         if need_db:
-            products.add_bias_sums(db_acc, dbias, r, bias_rows, chunk_unscale)
+            products.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
 
     if deferred_dw:  # the factor every chunk shares, once, in place
         products.scale(grad_weight, chunk_unscale, out=grad_weight)
@@ -256,9 +256,8 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
     when given; returns da (``e`` itself)."""
     r, v = e.shape
     _, _, softcap_out, grad_scale = opts.kernel_scales()
-    entropy_grad, class_major = coef.shape[0] > 3, e.stride(1) != 1
-    block_n = gradient_rows(cfg, entropy_grad, class_major)
-    warps = gradient_warps(cfg, entropy_grad, class_major)
+    entropy_grad = coef.shape[0] > 3
+    block_n, warps = gradient_rows(cfg, entropy_grad), gradient_warps(cfg, entropy_grad)
     softmax_gradient_kernel[(triton.cdiv(r, block_n), triton.cdiv(v, cfg.block_v))](
         e, e, tile_stats, stats.lse2, coef, stats.z_target, targets,
         class_weight if class_weight is not None else coef, dbias if dbias is not None else coef,
@@ -276,22 +275,18 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
 # tiles; benchmarks/results/chunk_kernels/): without the entropy gradient the sweep's 128 rows and
 # 4 warps take 2.18 ms (8 warps 2.55, the copy of the chunk 0.98; 1-2 warps on 32-64 rows 2.13-2.23);
 # with it 128 rows spill into 6.26 ms at 8 warps and 3.76 at 4, where 32 rows with 8 warps take 3.21.
-# A class-major buffer (hosted in grad_weight, rows contiguous) compiles differently (sm_90, offline,
-# scripts/registers.py): the sweep's 128 rows spill 704 bytes at 4 warps, 120 at 8; 64 rows with 16
-# warps take 98 registers and no stack.
-def gradient_rows(cfg, entropy_grad: bool, class_major: bool = False) -> int:
+# A class-major buffer (hosted in grad_weight) takes the same programs: of five measured on 4096 x
+# 128256 bf16, 128 rows and 4 warps were the fastest there too (0.65 ms; 64 x 8 0.73, 128 x 8 0.93,
+# 32 x 8 1.02, 64 x 16 1.44; benchmarks/results/hosted/v29b/), 216 registers and no stack offline.
+def gradient_rows(cfg, entropy_grad: bool) -> int:
     """Rows of a ``softmax_gradient_kernel`` program, and of its bias partial sums (``dbias``): the
-    sweep's row block, a quarter of it with the entropy gradient, at most 64 for a class-major
-    buffer (each program keeps a tile of the sweep's vocabulary width, so each row still has one
-    tile max per tile)."""
-    if entropy_grad:
-        return max(1, cfg.block_n // 4)
-    return cfg.block_n
+    sweep's row block, a quarter of it with the entropy gradient (each program keeps a tile of the
+    sweep's vocabulary width, so each row still has one tile max per tile)."""
+    return max(1, cfg.block_n // 4) if entropy_grad else cfg.block_n
 
 
-def gradient_warps(cfg, entropy_grad: bool, class_major: bool = False) -> int:
-    """Warps of a ``softmax_gradient_kernel`` program: the sweep's, 8 with the entropy gradient, 16
-    for a class-major buffer."""
+def gradient_warps(cfg, entropy_grad: bool) -> int:
+    """Warps of a ``softmax_gradient_kernel`` program: the sweep's, 8 with the entropy gradient."""
     if device.interpreted():
         return 1
     return 8 if entropy_grad else cfg.num_warps
@@ -313,7 +308,7 @@ def softmax_gradient_kernel(
     V,
     N,
     stride_e,  # the buffer's row stride
-    stride_ev,  # its class stride: 1, or 1 the row stride where the buffer is class-major
+    stride_ev,  # its class stride: 1 (for a class-major buffer the row stride is the 1)
     stride_t,
     grad_scale,  # the chain's factor dz -> da (Options.kernel_scales)
     softcap_out,  # the tanh's output scale (Options.kernel_scales)
