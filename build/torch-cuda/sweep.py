@@ -222,7 +222,7 @@ def lse_sweep_kernel(
     z_target_ptr,  # (N,) fp32 out: the target logit, written by the split that holds the target
     e_ptr,  # (N, V) out when STORE_E (one tile per split): exp(z - tile max) [* softcap'(z)]
     stride_e,  # e's row stride
-    stride_ev,  # e's class stride: 1, or with E_T (class-major) 1 is the row stride
+    stride_ev,  # e's class stride: 1 (with E_T, class-major, the row stride is the 1)
     hidden_desc,  # TMA: tensor descriptors (``logits.logit_tile``), else unused
     weight_desc,
     e_desc,  # E_TMA: a tensor descriptor of the (N, V) out, blocks (BLOCK_N, BLOCK_V), or with E_T

@@ -61,9 +61,14 @@ def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master
         return True
     if chunked_unsupported(opts) is not None:
         return False
-    return (master or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
+    return (master or whole_fits(opts, n, v, dtype)
             or hosted_slab_rows(opts, n, v, h, dtype, needs[1], master) is not None
             or long_context_budget(opts, n, v, h, dtype, needs, master, sharded) is not None)
+
+
+def whole_fits(opts: Options, n: int, v: int, dtype: torch.dtype) -> bool:
+    """Whether the whole (N, V) buffer fits in ``chunk_bytes`` beside the gradients (one chunk)."""
+    return n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
 
 
 def hosted_slab_rows(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, need_dw: bool,
@@ -72,7 +77,7 @@ def hosted_slab_rows(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, 
     lives in grad_weight's memory: grad_weight is wanted, the whole buffer does not fit in
     ``chunk_bytes`` beside it, and N elements of the input dtype fit in a row of grad_weight
     (``weight_grad_dtype``; ``master``: an fp32 master weight). Else None."""
-    if not need_dw or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True):
+    if not need_dw or whole_fits(opts, n, v, dtype):
         return None
     dw_dtype = torch.float32 if master else unit_dtype(dtype)
     return plan.hosted_slab_rows(n, v, h, dtype, dw_dtype, opts.chunk_bytes)
@@ -93,7 +98,7 @@ def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtyp
     README)."""
     if (opts.strategy != "auto" or dtype != torch.bfloat16 or master or sharded
             or chunked_unsupported(opts) is not None
-            or n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)):
+            or whole_fits(opts, n, v, dtype)):
         return None
     need_dx, need_dw, need_db = needs
     cfg = configs.dlogits_config(dtype, h=h)
