@@ -21,7 +21,7 @@ import torch
 
 from cases import Case, check_three_way, make_inputs, ours
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import chunked, device, plan, products
+from fused_linear_ce import chunked, device, fused_linear_cross_entropy, plan, products
 from fused_linear_ce.validate import Options
 
 MiB = 1 << 20
@@ -135,7 +135,6 @@ def test_an_fp32_master_weight_hosts_its_bf16_buffer(slabs):
     runs = []
     for chunk_bytes in (16 * h * 4, 1 << 40):
         x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        from fused_linear_ce import fused_linear_cross_entropy
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             loss = fused_linear_cross_entropy(x, w, targets, chunk_bytes=chunk_bytes)
         loss.backward()
