@@ -8,6 +8,10 @@ side in one process, interleaved rounds.
 - ``bf16``, 4096 x 4096 x 128256 (N = H: a 1 GiB plane): ours now (hosted in the bf16 gradient),
   the old package's default (the recompute path), ours in one row-major chunk (1 GiB beside the
   gradient), torch.compile, Liger.
+- ``master-s4``, S4 (65536 x 4096 x 128256), as ``master``: ours now (a hosted head of 8192 rows, then
+  1792-row chunks; NOTES v30), the old package (1792-row chunks), torch.compile.
+- ``bf16-s4``, S4 in bf16 by default (the long-context chunked path): ours now (a hosted head of 4096
+  rows, then 1024-row chunks), the old package (1024-row chunks), Liger.
 
 ``extra`` = peak above the inputs minus the gradients (fp32 for the master weight) and, for the
 master weight, minus a bf16 copy of the weight, which every method holds in its forward. Errors:
@@ -36,7 +40,8 @@ from ab import load_copy  # noqa: E402
 from bench import gpu_name, make_data, reference_and_stats, rel, versions  # noqa: E402
 
 MiB = 1 << 20
-SHAPES = {"master": (8192, 4096, 128256), "bf16": (4096, 4096, 128256)}
+SHAPES = {"master": (8192, 4096, 128256), "bf16": (4096, 4096, 128256),
+          "master-s4": (65536, 4096, 128256), "bf16-s4": (65536, 4096, 128256)}
 
 
 def compiled_loss():
@@ -50,10 +55,12 @@ def methods(kind, old, targets):
     out = {"ours": lambda h, w: new(h, w, targets)}
     if old is not None:
         out["old"] = lambda h, w: old.fused_linear_cross_entropy(h, w, targets)
-    comp = compiled_loss()
-    out["torch-compile"] = lambda h, w: comp(h, w, targets)
+    if kind != "bf16-s4":
+        comp = compiled_loss()
+        out["torch-compile"] = lambda h, w: comp(h, w, targets)
     if kind == "bf16":
         out["ours-row-major-1G"] = lambda h, w: new(h, w, targets, strategy="chunked", chunk_bytes=1 << 50)
+    if kind.startswith("bf16"):
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
 
@@ -72,13 +79,14 @@ def main():
     ap.add_argument("--kinds", nargs="+", default=list(SHAPES))
     ap.add_argument("--dists", nargs="+", default=["random", "peaked"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=300, help="do_bench's rep (ms); 2000 at S4")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     old = load_copy("old", args.old) if args.old else None
     rows = []
     for kind in args.kinds:
         n, h, v = SHAPES[kind]
-        master = kind == "master"
+        master = kind.startswith("master")
         for dist in args.dists:
             hidden, weight, targets = make_data(n, h, v, dist, torch.device("cuda"), seed=0)
             _, ref_dx, ref_dw, _ = reference_and_stats(hidden, weight, targets, "tf32")
@@ -109,7 +117,7 @@ def main():
                 rows.append(row)
             for _ in range(args.rounds):
                 for run, row in runs.values():
-                    row["times"].append(triton.testing.do_bench(run, warmup=25, rep=300, return_mode="median"))
+                    row["times"].append(triton.testing.do_bench(run, warmup=25, rep=args.rep, return_mode="median"))
             for run, row in runs.values():
                 row["ms"] = statistics.median(row["times"])
                 print(json.dumps(row), flush=True)
@@ -120,10 +128,12 @@ def main():
     meta = dict(gpu=gpu_name(torch.device("cuda")), versions=versions(), old=args.old, rounds=args.rounds)
     (out / "experiment_hosted.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"\n{meta['gpu']}  {meta['versions']}  medians of {args.rounds} interleaved rounds")
-    print(f"{'kind':7} {'dist':7} {'method':18} {'ms':>8} {'x compile':>9} {'extra MiB':>10} {'dX err':>8} {'dW err':>8}")
+    print(f"{'kind':9} {'dist':7} {'method':18} {'ms':>8} {'x ref':>9} {'extra MiB':>10} {'dX err':>8} {'dW err':>8}")
     for r in rows:
-        comp = next(c["ms"] for c in rows if (c["kind"], c["dist"], c["method"]) == (r["kind"], r["dist"], "torch-compile"))
-        print(f"{r['kind']:7} {r['dist']:7} {r['method']:18} {r['ms']:8.2f} {r['ms'] / comp:9.3f} "
+        # the ratio to torch.compile, or for bf16-s4 (no compile) to Liger
+        comp = next(c["ms"] for c in rows if (c["kind"], c["dist"]) == (r["kind"], r["dist"])
+                    and c["method"] in ("torch-compile", "liger"))
+        print(f"{r['kind']:9} {r['dist']:7} {r['method']:18} {r['ms']:8.2f} {r['ms'] / comp:9.3f} "
               f"{r['extra_mib']:10.1f} {r['dx_err']:8.1e} {r['dw_err']:8.1e}")
 
 

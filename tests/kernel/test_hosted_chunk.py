@@ -12,6 +12,12 @@ for a slab's shape than for the whole: within one rounding there); against float
 a slab beside the outputs. Slabs of 16 rows stand in for the GPU's >= 1024 (``HOSTED_MIN_ROWS``), so
 every call runs several slabs, a ragged last one included. bf16 on the CPU goes through the kernels'
 BF16_EMULATION switch (``tests/kernel/test_bf16_emulation.py`` says why that cover is faithful).
+
+In several chunks the first one, larger, can live there the same way (``plan.hosted_head``): checked
+against the same chunks with the head in a row-major buffer of its own, bit for bit on the
+interpreter, for each way grad_weight is summed over chunks (fp32, an fp32 master weight's deferred
+factor, the bf16 + int8 pair, the long-context bf16 + 4-bit pair), and for its memory: its slabs
+in the later chunks' buffer, nothing allocated beyond the chunked path's own.
 """
 
 from dataclasses import replace
@@ -43,9 +49,9 @@ def slabs(monkeypatch):
     monkeypatch.setattr(plan, "HOSTED_MIN_ROWS", 16)
     seen, real = [], chunked.hosted_weight_grad
 
-    def spy(da, hidden, grad_weight, slab, unscale):
+    def spy(da, hidden, grad_weight, slab, *rest):
         seen.append(slab)
-        return real(da, hidden, grad_weight, slab, unscale)
+        return real(da, hidden, grad_weight, slab, *rest)
 
     monkeypatch.setattr(chunked, "hosted_weight_grad", spy)
     return seen
@@ -191,3 +197,173 @@ def test_grad_hidden_first_then_one_product_a_slab(monkeypatch, slabs):
     ours(replace(case, chunk_bytes=16 * case.h * 4), hidden, weight, bias, targets)
     # grad_hidden's product (48 rows) first, then 19 slabs of 16 rows (300 = 18 x 16 + 12)
     assert events == [("product", 48)] + [("product", 16)] * 18 + [("product", 12)]
+
+
+# ---- the hosted head: the first of several chunks in grad_weight's memory (``plan.hosted_head``) ----
+
+S4 = (65536, 4096, 128256)  # N, H, V
+
+
+def test_the_head_at_s4_is_as_many_tokens_as_a_row_of_grad_weight_holds():
+    """S4: an fp32 master weight's 1792-row chunks (448 MiB) start with 8192 rows (2H bf16 entries in a
+    row of H floats), the bf16 long-context default's 1024-row chunks with 4096 (H). The head's slabs
+    fill the later chunks' buffer: 1792 x V bf16 holds 28048 rows of fp32 gradient, 1024 x V 32064 of
+    bf16. Not taken under two chunks' rows, where N fits whole (hosted whole, or nothing), or where the
+    chunk buffer holds under HOSTED_MIN_ROWS rows of grad_weight."""
+    n, h, v = S4
+    assert plan.hosted_head(n, v, h, torch.bfloat16, torch.float32, 1792, 128) == (8192, 28048)
+    assert plan.hosted_head(n, v, h, torch.bfloat16, torch.bfloat16, 1024, 128) == (4096, 32064)
+    assert plan.hosted_head(n, v, h, torch.float16, torch.float32, 1024, 128) == (8192, 16032)
+    assert plan.hosted_head(n, v, h, torch.float32, torch.float32, 1024, 64) == (4096, 32064)
+    assert plan.hosted_head(n, v, h, torch.bfloat16, torch.bfloat16, 4096, 128) is None  # 4096 < 2 x 4096
+    assert plan.hosted_head(n, v, h, torch.bfloat16, torch.bfloat16, 2048, 128) == (4096, 64128)
+    assert plan.hosted_head(4096, v, h, torch.bfloat16, torch.bfloat16, 1024, 128) is None  # N fits whole
+    assert plan.hosted_head(n, v, h, torch.bfloat16, torch.bfloat16, 16, 16) is None  # 501 slab rows
+    assert plan.hosted_head(n, v, 4000, torch.bfloat16, torch.bfloat16, 1024, 128) == (3968, 32832)
+    assert chunked.chunk_spans(10, 3) == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert chunked.chunk_spans(10, 3, head=6) == [(0, 6), (6, 3), (9, 1)]
+
+
+@pytest.fixture
+def head(monkeypatch, slabs):
+    """Small slabs (``slabs``), and a switch that puts the head in a row-major buffer of its own
+    instead (the same chunks, products and K order: the reference)."""
+    real = chunked.head_buffer
+    state = {"row_major": False}
+
+    def buffer(grad_weight, dtype, rows):
+        if state["row_major"]:
+            return torch.empty((rows, grad_weight.shape[0]), dtype=dtype, device=grad_weight.device)
+        return real(grad_weight, dtype, rows)
+
+    monkeypatch.setattr(chunked, "head_buffer", buffer)
+    return state
+
+
+def _head_runs(case, state, slabs, master=False):
+    """(hosted, row-major) runs of ``case``: loss, metrics and gradients."""
+    hidden, weight, bias, targets = make_inputs(case)
+    runs = []
+    for row_major in (False, True):
+        state["row_major"] = row_major
+        slabs.clear()
+        if master:
+            x, w = hidden.float().requires_grad_(True), weight.float().requires_grad_(True)
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                loss = fused_linear_cross_entropy(x, w, targets, chunk_bytes=case.chunk_bytes, strategy="chunked")
+            loss.backward()
+            runs.append(((loss.detach(), {}), {"hidden": x.grad, "weight": w.grad}, list(slabs)))
+        else:
+            out, grads = ours(case, hidden, weight, bias, targets, return_metrics=True)
+            runs.append((out, grads, list(slabs)))
+    return runs
+
+
+# H = 160: three column tiles of the interpreter's matmul (a slab product that wrote its rows of
+# grad_weight directly would overwrite da its later tiles still read). 48-row chunks (three of the
+# interpreter's 16-row blocks): a bf16 head of 160 rows, an fp32 gradient's (fp16, master) 320.
+HEAD_CASES = [
+    Case(160 + 3 * 48 + 20, 160, 1100, torch.bfloat16, "mean", bias=True, ignored=0.2,
+         chunk_bytes=48 * 1100 * 2, extra=dict(strategy="chunked")),  # the bf16 + int8 pair
+    Case(160 + 2 * 48, 160, 1100, torch.float32, "sum", label_smoothing=0.1, class_weight=True,
+         chunk_bytes=48 * 1100 * 4, extra=dict(strategy="chunked")),
+    Case(320 + 48 + 7, 160, 1100, torch.float16, "mean", softcap=3.0,
+         chunk_bytes=48 * 1100 * 2, extra=dict(strategy="chunked")),  # fp16's fp32 gradient: 2H tokens
+]
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c.id)
+def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, head, slabs):
+    """The first chunk hosted (class-major in grad_weight, its dW a slab at a time through the later
+    chunks' buffer) against the same chunks with the head row-major in a buffer of its own: the same
+    bits for the loss, the metrics and every gradient, and against float64 (both runs share the head's
+    slab products). Mutation-checked: a slab product that writes its rows of grad_weight directly
+    fails the former, a missing copy the latter (a head pair whose remainder is not started fails
+    ``test_the_long_context_head_starts_the_4bit_pair``)."""
+    (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs)
+    itemsize = 4 if case.dtype != torch.bfloat16 else 2  # grad_weight's
+    assert seen == [case.chunk_bytes // (case.h * itemsize) // 16 * 16]  # one hosted head
+    assert torch.equal(out[0], ref[0])
+    for key in out[1]:
+        assert torch.equal(out[1][key], ref[1][key]), key
+    for key, g in grads.items():
+        assert (g is None) == (ref_grads[key] is None), key
+        if g is not None:
+            _same(g, ref_grads[key], case.dtype)
+    check_three_way(case)  # both share the head's products: against float64 as well
+
+
+def test_an_fp32_master_weights_head_is_summed_unscaled_like_its_chunks(head, slabs):
+    """An fp32 master weight (bf16 products, every chunk's dW summed unscaled and the factor applied
+    once at the end): its head of 2H = 320 rows is written unscaled too (scaling it there as well
+    would apply the factor twice: checked by mutation). The same bits as the row-major head, and
+    against float64."""
+    case = Case(320 + 2 * 48 + 5, 160, 1100, torch.bfloat16, "mean", chunk_bytes=48 * 1100 * 2)
+    (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs, master=True)
+    assert seen == [48 * 1100 * 2 // (160 * 4) // 16 * 16]
+    assert grads["weight"].dtype == torch.float32
+    assert torch.equal(out[0], ref[0])
+    _same(grads["hidden"], ref_grads["hidden"], torch.bfloat16)
+    _same(grads["weight"], ref_grads["weight"], torch.bfloat16)
+    hidden, weight, _, targets = make_inputs(case)
+    xx, ww = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(xx @ ww.t(), targets).backward()
+    assert rel_err(grads["weight"], ww.grad) <= 8e-3
+    assert rel_err(grads["hidden"], xx.grad) <= 8e-3
+
+
+def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
+    """The long-context default (bf16, grad_weight as a bf16 + 4-bit pair, ``long_context_budget``;
+    its budget stands in for S4's here): the head's slabs start the pair, hi through the buffer and
+    the 4-bit remainder straight into its rows, and the later chunks sum into it. Bit for bit the
+    row-major head's, and against float64 (``check_three_way``)."""
+    chunk = 48 * 1100 * 2
+    real = chunked.long_context_budget
+
+    def small(opts, n_, v_, h_, dtype, needs, master, sharded):
+        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded) is None else chunk
+
+    monkeypatch.setattr(chunked, "long_context_budget", small)
+    lows, original = [], products.compensated
+
+    def spy(a, b, hi, lo, accumulate, unscale=None, role="product"):
+        lows.append((lo.dtype, tuple(lo.shape), accumulate))
+        return original(a, b, hi, lo, accumulate, unscale, role)
+
+    monkeypatch.setattr(products, "compensated", spy)
+    case = Case(160 + 3 * 48, 160, 1100, torch.bfloat16, "mean", ignored=0.1)
+    (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs)
+    slab = chunk // (160 * 2) // 16 * 16
+    assert seen == [slab]
+    per_run = [(torch.uint8, (slab, 80), False)] * 3 + [(torch.uint8, (1100 - 3 * slab, 80), False)] + [
+        (torch.uint8, (1100, 80), True)] * 3
+    assert lows == per_run * 2
+    assert torch.equal(out[0], ref[0])
+    for key in ("hidden", "weight"):
+        assert torch.equal(grads[key], ref_grads[key]), key
+    lows.clear()
+    check_three_way(case)
+    assert lows == per_run
+
+
+def test_the_head_allocates_nothing_beyond_the_chunk_buffer(monkeypatch, head, slabs):
+    """Beside the outputs the hosted head's call allocates the later chunks' buffer and statistics:
+    its slabs live in that buffer, nothing of the head's plane size (the row-major head fails this),
+    and the first chunk is the head (no buffer of chunk size is written before it)."""
+    case = HEAD_CASES[1]
+    hidden, weight, bias, targets = make_inputs(case)
+    sizes, real = [], device.new
+
+    def spy(shape, dtype, where):
+        sizes.append((tuple(shape), dtype))
+        return real(shape, dtype, where)
+
+    monkeypatch.setattr(device, "new", spy)
+    ours(case, hidden, weight, bias, targets)
+    assert len(slabs) == 1
+    outputs = {((case.n, case.h), torch.float32), ((case.v, case.h), torch.float32)}
+    chunk = 48 * case.v
+    assert ((48, case.v), torch.float32) in sizes
+    for shape, dtype in sizes:
+        if (shape, dtype) not in outputs:
+            assert torch.Size(shape).numel() <= chunk, shape
