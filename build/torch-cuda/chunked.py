@@ -22,6 +22,12 @@ an fp32 one (fp16's unit gradients, an fp32 master weight) is its own accumulato
 a master weight's with bf16 products is summed unscaled by cuBLAS and scaled once at the end. The
 logits are never rounded before the softmax.
 
+grad_weight's memory holds nothing before the first chunk's product: where N fits there (N elements
+of the input dtype in a row of grad_weight) the whole call is one chunk class-major in it
+(``hosted_slab_rows``); where N does not, the first chunk is that many rows, hosted the same way, and
+the rest follow in chunks of the budget's rows (``plan.hosted_head``: fewer chunks, each of which
+sums into grad_weight once more).
+
 The rounding of da (``softmax_gradient_kernel``): the sweep leaves, for every element of a chunk of
 rows, ``e = exp(z - m_tile)`` rounded to the buffer's dtype, where
 ``m_tile`` is the max of its (BLOCK_N, BLOCK_V) tile; with a softcap ``e`` already carries the
@@ -152,7 +158,12 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             budget, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
     rows = n if slab is not None else plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
-    n_chunks = triton.cdiv(n, rows)
+    dw_type = weight_grad_dtype(dtype, dw_dtype or dtype)  # grad_weight's
+    # Several chunks: the first one larger, in grad_weight's own memory (``plan.hosted_head``).
+    head = (plan.hosted_head(n, v, h, dtype, dw_type, rows, cfg.block_n)
+            if slab is None and need_dw and rows < n else None)
+    spans = chunk_spans(n, rows, head[0] if head is not None else None)
+    n_chunks = len(spans)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
     one = torch.ones((), device=where)
     g_ce, g_z, common = losses.upstream(one if divisor is None else one / divisor, None, weights, opts)
@@ -173,13 +184,12 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     # for cuBLAS into bf16) and the common factor applied once at the end, so the factor must be
     # every chunk's: B's divisor comes from all rows (``losses.largest_b``). fp16's lift out of the
     # subnormals is per chunk: its products apply each chunk's factor (``products.product``).
-    deferred_dw = need_dw and dw_dtype == torch.float32 and dtype == torch.bfloat16 and n_chunks > 1
+    deferred_dw = need_dw and dw_type == torch.float32 and dtype == torch.bfloat16 and n_chunks > 1
     all_rows_b = losses.largest_b(g_ce, targets, weights, opts) if deferred_dw else None
-    if need_dw and dw_dtype == torch.float32:
-        grad_weight = device.new((v, h), torch.float32, where)
-    elif need_dw:
-        grad_weight = device.new((v, h), out_dtype, where)
-        if n_chunks > 1 and out_dtype == torch.bfloat16:  # a pair (fp16: fp32 already)
+    if need_dw:
+        grad_weight = device.new((v, h), dw_type, where)
+    if need_dw and dw_type != torch.float32:
+        if n_chunks > 1:  # a pair (fp16 and fp32: an fp32 grad_weight already)
             # an int8 remainder, or at long context by default a 4-bit one (half the bytes)
             dw_lo = products.compensation_buffer(grad_weight, torch.int8 if lean is None else torch.uint8)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
@@ -187,17 +197,21 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
     # subnormal, an absolute error under 3e-8 of the tile's largest entry). Hosted: class-major in
     # grad_weight's memory, class v's N entries in the first bytes of grad_weight's row v.
+    # A hosted head likewise, its slabs of grad_weight in the memory of the buffer of the later chunks.
     if slab is not None:
-        buffer = grad_weight.view(dtype)[:, :n].t()
+        buffer = head_buffer(grad_weight, dtype, n)
     else:
         buffer = device.new((rows, v), dtype, where)
-    n_row_blocks = triton.cdiv(rows, cfg.block_n)
+    head_slabs = None
+    if head is not None:
+        head_slabs = buffer.view(-1)[: head[1] * h * dw_type.itemsize // dtype.itemsize].view(dw_type).view(-1, h)
+    n_row_blocks = triton.cdiv(max(r for _, r in spans), cfg.block_n)
     dbias = device.new((n_row_blocks, v), torch.float32, where) if need_db else None
     parts = []
-    for row0 in range(0, n, rows):
-        r = min(rows, n - row0)
+    for row0, r in spans:
         sl = slice(row0, row0 + r)
-        e = buffer[:r]
+        hosted = slab is not None or (head is not None and row0 == 0)
+        e = buffer[:r] if head is None or row0 > 0 else head_buffer(grad_weight, dtype, r)
         # The per-tile statistics (2 x T x R fp32 for the loss: 31 MiB at S4's 4096-row chunk) in the
         # memory of the chunk's rows of grad_hidden where they fit (T <= H / 4 for bf16): its product
         # writes them only after the gradient kernel has read the statistics.
@@ -219,8 +233,10 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         del tile_stats
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
-        if slab is not None and need_dw:
-            hosted_weight_grad(da, hidden, grad_weight, slab, chunk_unscale)
+        if hosted and need_dw:
+            # the first (or only) chunk's dW: unscaled when summed unscaled (``deferred_dw``)
+            hosted_weight_grad(da, hidden[sl], grad_weight, slab or head[1], None if deferred_dw else chunk_unscale,
+                               dw_lo, head_slabs)
         elif deferred_dw:
             products.accumulate(da.t(), hidden[sl], grad_weight, row0 == 0)
         elif need_dw and dw_lo is not None:
@@ -240,17 +256,36 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias
 
 
-def hosted_weight_grad(da, hidden, grad_weight, slab: int, unscale) -> None:
-    """grad_weight = (da^T @ hidden) * unscale where da (N, V) is class-major in grad_weight's own
-    memory (class v in the first bytes of row v): ``slab`` rows at a time into a slab-sized buffer,
-    each copied over the rows of da its product has just read. A slab's product cannot write its
-    rows directly: they hold the da it reads."""
+def chunk_spans(n: int, rows: int, head: int | None = None) -> list[tuple[int, int]]:
+    """The chunks (first row, rows): ``head`` rows first when given (``plan.hosted_head``), then
+    ``rows`` at a time, the last one ragged."""
+    start = head or 0
+    return ([(0, head)] if head else []) + [(row0, min(rows, n - row0)) for row0 in range(start, n, rows)]
+
+
+def head_buffer(grad_weight, dtype: torch.dtype, rows: int):
+    """The hosted head's (rows, V) buffer: class-major in grad_weight's memory, class v in the first
+    ``rows`` entries of ``dtype`` of row v."""
+    return grad_weight.view(dtype)[:, :rows].t()
+
+
+def hosted_weight_grad(da, hidden, grad_weight, slab: int, unscale, lo=None, out=None) -> None:
+    """grad_weight = (da^T @ hidden) * unscale where da (R, V) is class-major in grad_weight's own
+    memory (class v in the first bytes of row v): ``slab`` rows at a time into a slab-sized buffer
+    (``out``, else allocated), each copied over the rows of da its product has just read. A slab's
+    product cannot write its rows directly: they hold the da it reads. With ``lo`` (a bf16
+    grad_weight summed over chunks as a pair, ``products.compensated``) the slab's pair is started:
+    its hi in the buffer, its remainder straight into ``lo``'s rows."""
     v = grad_weight.shape[0]
-    out = device.new((min(slab, v), grad_weight.shape[1]), grad_weight.dtype, grad_weight.device)
+    if out is None:
+        out = device.new((min(slab, v), grad_weight.shape[1]), grad_weight.dtype, grad_weight.device)
     for v0 in range(0, v, slab):
         rows = slice(v0, min(v, v0 + slab))
         part = out[: rows.stop - v0]
-        products.product(da.t()[rows], hidden, part, False, unscale)
+        if lo is not None:
+            products.compensated(da.t()[rows], hidden, part, lo[rows], False, unscale)
+        else:
+            products.product(da.t()[rows], hidden, part, False, unscale)
         grad_weight[rows].copy_(part)
 
 

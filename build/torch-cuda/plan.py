@@ -90,6 +90,26 @@ def hosted_slab_rows(n: int, v: int, h: int, dtype: torch.dtype, dw_dtype: torch
     return rows if rows >= min(v, HOSTED_MIN_ROWS) and rows > 0 else None
 
 
+def hosted_head(n: int, v: int, h: int, dtype: torch.dtype, dw_dtype: torch.dtype, rows: int,
+                block_n: int) -> tuple[int, int] | None:
+    """(head rows, slab rows) when the chunked path, in chunks of ``rows`` rows, runs its first chunk
+    larger and in grad_weight's own memory, else None. Before the first chunk's product grad_weight
+    holds nothing, so its (head, V) buffer can live there class-major as a whole hosted chunk's does
+    (``hosted_slab_rows``): head = the most whole row blocks of the input dtype a row of grad_weight
+    (``dw_dtype``) holds, taken when it is at least two chunks and less than N (else the whole call is
+    one hosted chunk or none). Its grad_weight is computed a slab at a time into the chunk buffer's
+    own memory (``rows`` x V of ``dtype``: slab = the rows of ``dw_dtype`` that holds, a multiple of 16,
+    at least HOSTED_MIN_ROWS or all V), so nothing is allocated beyond the chunked path's. Each chunk
+    sums its dW into grad_weight once more (a master weight's fp32 sum, the bf16 pair's epilogue),
+    so fewer chunks are faster: at 65536 x 4096 x 128256 an fp32 master weight's first 8192 rows in
+    one chunk instead of 4.6 of 1792, the bf16 long-context default's 4096 instead of 4 of 1024."""
+    head = (h * dw_dtype.itemsize // dtype.itemsize) // block_n * block_n
+    if head >= n or head < 2 * rows:
+        return None
+    slab = min(v, rows * v * dtype.itemsize // (h * dw_dtype.itemsize) // 16 * 16)
+    return (head, slab) if slab >= min(v, HOSTED_MIN_ROWS) and slab > 0 else None
+
+
 def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:
     """How many programs share one row block's vocabulary sweep (each a contiguous range of tiles).
 
