@@ -27,7 +27,7 @@ import torch
 
 from cases import Case, check_three_way, make_inputs, ours
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import chunked, device, fused_linear_cross_entropy, plan, products
+from fused_linear_ce import chunked, configs, device, fused_linear_cross_entropy, plan, products
 from fused_linear_ce.validate import Options
 
 MiB = 1 << 20
@@ -259,17 +259,33 @@ def _head_runs(case, state, slabs, master=False):
     return runs
 
 
-# H = 160: three column tiles of the interpreter's matmul (a slab product that wrote its rows of
-# grad_weight directly would overwrite da its later tiles still read). 48-row chunks (three of the
-# interpreter's 16-row blocks): a bf16 head of 160 rows, an fp32 gradient's (fp16, master) 320.
+def _rows(dtype):
+    """The chunks' rows: three of the interpreter's 16-row blocks, one of the GPU's (128, fp32 64)."""
+    return max(48, configs.sweep_config(dtype, chunked=True).block_n)
+
+
+def _head_case(dtype, extra_rows, **kw):
+    """``extra_rows`` past the head (H rows of a bf16 gradient, 2H of an fp32 one) in chunks of
+    ``_rows``. H = 160 on the CPU: three column tiles of the interpreter's matmul (a slab product
+    that wrote its rows of grad_weight directly would overwrite da its later tiles still read);
+    256 on a GPU, where a head must be two 128-row chunks."""
+    rows, h, v = _rows(dtype), (160 if not ON_GPU else 256), 1100
+    head = h * (1 if dtype in (torch.bfloat16, torch.float32) else 2)
+    return Case(head + extra_rows, h, v, dtype, chunk_bytes=rows * v * dtype.itemsize, **kw)
+
+
 HEAD_CASES = [
-    Case(160 + 3 * 48 + 20, 160, 1100, torch.bfloat16, "mean", bias=True, ignored=0.2,
-         chunk_bytes=48 * 1100 * 2, extra=dict(strategy="chunked")),  # the bf16 + int8 pair
-    Case(160 + 2 * 48, 160, 1100, torch.float32, "sum", label_smoothing=0.1, class_weight=True,
-         chunk_bytes=48 * 1100 * 4, extra=dict(strategy="chunked")),
-    Case(320 + 48 + 7, 160, 1100, torch.float16, "mean", softcap=3.0,
-         chunk_bytes=48 * 1100 * 2, extra=dict(strategy="chunked")),  # fp16's fp32 gradient: 2H tokens
+    _head_case(torch.bfloat16, 3 * _rows(torch.bfloat16) + 20, reduction="mean", bias=True, ignored=0.2,
+               extra=dict(strategy="chunked")),  # the bf16 + int8 pair
+    _head_case(torch.float32, 2 * _rows(torch.float32), reduction="sum", label_smoothing=0.1, class_weight=True,
+               extra=dict(strategy="chunked")),
+    _head_case(torch.float16, _rows(torch.float16) + 7, reduction="mean", softcap=3.0,
+               extra=dict(strategy="chunked")),  # fp16's fp32 gradient: 2H tokens
 ]
+
+
+def _expected_slab(case, dw_itemsize):
+    return case.chunk_bytes // (case.h * dw_itemsize) // 16 * 16
 
 
 @pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c.id)
@@ -281,8 +297,7 @@ def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, hea
     fails the former, a missing copy the latter (a head pair whose remainder is not started fails
     ``test_the_long_context_head_starts_the_4bit_pair``)."""
     (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs)
-    itemsize = 4 if case.dtype != torch.bfloat16 else 2  # grad_weight's
-    assert seen == [case.chunk_bytes // (case.h * itemsize) // 16 * 16]  # one hosted head
+    assert seen == [_expected_slab(case, 4 if case.dtype != torch.bfloat16 else 2)]  # one hosted head
     assert torch.equal(out[0], ref[0])
     for key in out[1]:
         assert torch.equal(out[1][key], ref[1][key]), key
@@ -295,12 +310,13 @@ def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, hea
 
 def test_an_fp32_master_weights_head_is_summed_unscaled_like_its_chunks(head, slabs):
     """An fp32 master weight (bf16 products, every chunk's dW summed unscaled and the factor applied
-    once at the end): its head of 2H = 320 rows is written unscaled too (scaling it there as well
-    would apply the factor twice: checked by mutation). The same bits as the row-major head, and
-    against float64."""
-    case = Case(320 + 2 * 48 + 5, 160, 1100, torch.bfloat16, "mean", chunk_bytes=48 * 1100 * 2)
+    once at the end): its head of 2H rows is written unscaled too (scaling it there as well would
+    apply the factor twice: checked by mutation). The same bits as the row-major head, and against
+    float64."""
+    case = _head_case(torch.float16, 2 * _rows(torch.bfloat16) + 5)  # 2H tokens, bf16 chunks' bytes
+    case = replace(case, dtype=torch.bfloat16, reduction="mean")
     (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs, master=True)
-    assert seen == [48 * 1100 * 2 // (160 * 4) // 16 * 16]
+    assert seen == [_expected_slab(case, 4)]
     assert grads["weight"].dtype == torch.float32
     assert torch.equal(out[0], ref[0])
     _same(grads["hidden"], ref_grads["hidden"], torch.bfloat16)
@@ -317,7 +333,9 @@ def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
     its budget stands in for S4's here): the head's slabs start the pair, hi through the buffer and
     the 4-bit remainder straight into its rows, and the later chunks sum into it. Bit for bit the
     row-major head's, and against float64 (``check_three_way``)."""
-    chunk = 48 * 1100 * 2
+    case = _head_case(torch.bfloat16, 3 * _rows(torch.bfloat16), reduction="mean", ignored=0.1)
+    chunk, h, v = case.chunk_bytes, case.h, case.v
+    case = replace(case, chunk_bytes=None)  # the default options; the budget comes from ``small``
     real = chunked.long_context_budget
 
     def small(opts, n_, v_, h_, dtype, needs, master, sharded):
@@ -331,12 +349,10 @@ def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
         return original(a, b, hi, lo, accumulate, unscale, role)
 
     monkeypatch.setattr(products, "compensated", spy)
-    case = Case(160 + 3 * 48, 160, 1100, torch.bfloat16, "mean", ignored=0.1)
     (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs)
-    slab = chunk // (160 * 2) // 16 * 16
-    assert seen == [slab]
-    per_run = [(torch.uint8, (slab, 80), False)] * 3 + [(torch.uint8, (1100 - 3 * slab, 80), False)] + [
-        (torch.uint8, (1100, 80), True)] * 3
+    slab = chunk // (h * 2) // 16 * 16
+    starts = [(torch.uint8, (min(slab, v - v0), h // 2), False) for v0 in range(0, v, slab)]
+    per_run = starts + [(torch.uint8, (v, h // 2), True)] * 3
     assert lows == per_run * 2
     assert torch.equal(out[0], ref[0])
     for key in ("hidden", "weight"):
@@ -362,8 +378,9 @@ def test_the_head_allocates_nothing_beyond_the_chunk_buffer(monkeypatch, head, s
     ours(case, hidden, weight, bias, targets)
     assert len(slabs) == 1
     outputs = {((case.n, case.h), torch.float32), ((case.v, case.h), torch.float32)}
-    chunk = 48 * case.v
-    assert ((48, case.v), torch.float32) in sizes
+    rows = _rows(torch.float32)
+    chunk = rows * case.v
+    assert ((rows, case.v), torch.float32) in sizes
     for shape, dtype in sizes:
         if (shape, dtype) not in outputs:
             assert torch.Size(shape).numel() <= chunk, shape

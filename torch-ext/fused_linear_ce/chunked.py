@@ -275,7 +275,9 @@ def hosted_weight_grad(da, hidden, grad_weight, slab: int, unscale, lo=None, out
     (``out``, else allocated), each copied over the rows of da its product has just read. A slab's
     product cannot write its rows directly: they hold the da it reads. With ``lo`` (a bf16
     grad_weight summed over chunks as a pair, ``products.compensated``) the slab's pair is started:
-    its hi in the buffer, its remainder straight into ``lo``'s rows."""
+    its hi in the buffer, its remainder straight into ``lo``'s rows. ``unscale`` None (an fp32
+    grad_weight summed unscaled over chunks, ``products.accumulate``): the sum's first term, by the
+    same cuBLAS product."""
     v = grad_weight.shape[0]
     if out is None:
         out = device.new((min(slab, v), grad_weight.shape[1]), grad_weight.dtype, grad_weight.device)
@@ -284,6 +286,8 @@ def hosted_weight_grad(da, hidden, grad_weight, slab: int, unscale, lo=None, out
         part = out[: rows.stop - v0]
         if lo is not None:
             products.compensated(da.t()[rows], hidden, part, lo[rows], False, unscale)
+        elif unscale is None:  # the unscaled fp32 sum's first term, as its later ones: cuBLAS
+            products.accumulate(da.t()[rows], hidden, part, True)
         else:
             products.product(da.t()[rows], hidden, part, False, unscale)
         grad_weight[rows].copy_(part)
