@@ -9,7 +9,8 @@ side in one process, interleaved rounds.
   the old package's default (the recompute path), ours in one row-major chunk (1 GiB beside the
   gradient), torch.compile, Liger.
 - ``master-s4``, S4 (65536 x 4096 x 128256), as ``master``: ours now (a hosted head of 8192 rows, then
-  1792-row chunks; NOTES v30), the old package (1792-row chunks), torch.compile.
+  1792-row chunks; NOTES v30), the same in 2048-row chunks (``ours-504M``), the old package
+  (1792-row chunks), torch.compile.
 - ``bf16-s4``, S4 in bf16 by default (the long-context chunked path): ours now (a hosted head of 4096
   rows, then 1024-row chunks), the old package (1024-row chunks), Liger.
 
@@ -55,6 +56,8 @@ def methods(kind, old, targets):
     out = {"ours": lambda h, w: new(h, w, targets)}
     if old is not None:
         out["old"] = lambda h, w: old.fused_linear_cross_entropy(h, w, targets)
+    if kind == "master-s4":  # 2048-row chunks after the head: 501 MiB of buffer
+        out["ours-504M"] = lambda h, w: new(h, w, targets, chunk_bytes=504 * MiB)
     if kind != "bf16-s4":
         comp = compiled_loss()
         out["torch-compile"] = lambda h, w: comp(h, w, targets)

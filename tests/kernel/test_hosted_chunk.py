@@ -356,7 +356,7 @@ def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
     assert lows == per_run * 2
     assert torch.equal(out[0], ref[0])
     for key in ("hidden", "weight"):
-        assert torch.equal(grads[key], ref_grads[key]), key
+        _same(grads[key], ref_grads[key], torch.bfloat16)
     lows.clear()
     check_three_way(case)
     assert lows == per_run
