@@ -20,11 +20,13 @@ DEFAULT_CHUNK_BYTES = 192 << 20
 # the weight gradient's V x H sum once more, and a master weight's default step measured 6-7% slower
 # in 192 MiB chunks (H200, S1 52.8 against 49.8 ms, S4 411 against 383; benchmarks/results/ab/).
 DEFAULT_CHUNKED_BYTES = 256 << 20
-# The chunked path's default for an fp32 master weight in several chunks (not hosted in its gradient):
-# the fp32 gradient is the sum's own accumulator, so the chunk is nearly all the extra memory. 448 MiB:
-# H200, S4 (65536 x 4096 x 128256) 369.7 against 378.2 ms at 256 MiB, 481 MiB beside autocast's bf16
-# weight copy (NOTES v22, benchmarks/results/ab/), under issue 22's 512.
-DEFAULT_MASTER_BYTES = 448 << 20
+# The chunked path's default for an fp32 master weight in several chunks (not hosted whole in its
+# gradient): the fp32 gradient is the sum's own accumulator, so the chunk is nearly all the extra
+# memory. 504 MiB, issue 22's 512 less the statistics: at S4 (65536 x 4096 x 128256) a hosted head of
+# 8192 rows, then 2048-row chunks (501 MiB), 350.4 / 348.9 ms random / peaked against 361.3 / 360.1
+# in 448 MiB's 1792-row chunks and torch.compile's 332.0 / 329.4 under the same autocast, 503.8 MiB
+# beyond autocast's bf16 weight copy (H200, NOTES v30, benchmarks/results/hosted/v30/).
+DEFAULT_MASTER_BYTES = 504 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
 DEFAULT_PAIRED_BYTES = 512 << 20

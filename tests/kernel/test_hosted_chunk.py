@@ -205,13 +205,15 @@ S4 = (65536, 4096, 128256)  # N, H, V
 
 
 def test_the_head_at_s4_is_as_many_tokens_as_a_row_of_grad_weight_holds():
-    """S4: an fp32 master weight's 1792-row chunks (448 MiB) start with 8192 rows (2H bf16 entries in a
-    row of H floats), the bf16 long-context default's 1024-row chunks with 4096 (H). The head's slabs
-    fill the later chunks' buffer: 1792 x V bf16 holds 28048 rows of fp32 gradient, 1024 x V 32064 of
-    bf16. Not taken under two chunks' rows, where N fits whole (hosted whole, or nothing), or where the
+    """S4: an fp32 master weight's 2048-row chunks (the 504 MiB default; 1792 in 448 MiB) start with
+    8192 rows (2H bf16 entries in a row of H floats), the bf16 long-context default's 1024-row chunks
+    with 4096 (H). The head's slabs fill the later chunks' buffer: 1792 x V bf16 holds 28048 rows of
+    fp32 gradient, 2048 x V 32064, 1024 x V 32064 of bf16. Not taken under two chunks' rows, where N fits whole (hosted whole, or nothing), or where the
     chunk buffer holds under HOSTED_MIN_ROWS rows of grad_weight."""
     n, h, v = S4
     assert plan.hosted_head(n, v, h, torch.bfloat16, torch.float32, 1792, 128) == (8192, 28048)
+    assert plan.chunk_rows(n, v, torch.bfloat16, plan.DEFAULT_MASTER_BYTES, 128) == 2048
+    assert plan.hosted_head(n, v, h, torch.bfloat16, torch.float32, 2048, 128) == (8192, 32064)
     assert plan.hosted_head(n, v, h, torch.bfloat16, torch.bfloat16, 1024, 128) == (4096, 32064)
     assert plan.hosted_head(n, v, h, torch.float16, torch.float32, 1024, 128) == (8192, 16032)
     assert plan.hosted_head(n, v, h, torch.float32, torch.float32, 1024, 64) == (4096, 32064)

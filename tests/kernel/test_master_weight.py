@@ -376,7 +376,7 @@ def test_no_16bit_weight_copy_is_held_from_the_forward_to_the_backward(api):
 
 def test_several_chunks_take_the_master_default_budget_and_one_chunk_is_hosted(monkeypatch):
     """"auto" with no ``chunk_bytes``: a master weight whose bf16 plane does not fit in its fp32
-    gradient (N > 2H) runs chunks of ``plan.DEFAULT_MASTER_BYTES`` (on the GPU 448 MiB; here 64 rows,
+    gradient (N > 2H) runs chunks of ``plan.DEFAULT_MASTER_BYTES`` (on the GPU 504 MiB; here 64 rows,
     the GPU's whole 128-row blocks there), each summed into the gradient (``products.accumulate``,
     first writing; on the GPU the chunks' small grad_hidden products take it too, into an fp32
     (rows, H) buffer, hence the filter); where it fits (N <= 2H, S1's 8192 x 4096) one chunk lives in
