@@ -159,12 +159,9 @@ def test_hosted_against_float64(slabs):
     assert slabs == [16, 16]
 
 
-def test_no_buffer_beside_the_outputs_holds_the_plane(monkeypatch, slabs):
-    """Beside the outputs (grad_hidden, grad_weight) the hosted call allocates statistics and one
-    slab of grad_weight's rows, nothing of the (N, V) plane's size (a quarter of it here; the
-    row-major chunk allocates the whole plane and fails this)."""
-    case = Case(64, 64, 300, torch.float32, "mean", bias=True)
-    hidden, weight, bias, targets = make_inputs(case)
+@pytest.fixture
+def allocations(monkeypatch):
+    """The (shape, dtype) of every buffer the package allocates (``device.new``)."""
     sizes, real = [], device.new
 
     def spy(shape, dtype, where):
@@ -172,14 +169,23 @@ def test_no_buffer_beside_the_outputs_holds_the_plane(monkeypatch, slabs):
         return real(shape, dtype, where)
 
     monkeypatch.setattr(device, "new", spy)
+    return sizes
+
+
+def test_no_buffer_beside_the_outputs_holds_the_plane(allocations, slabs):
+    """Beside the outputs (grad_hidden, grad_weight) the hosted call allocates statistics and one
+    slab of grad_weight's rows, nothing of the (N, V) plane's size (a quarter of it here; the
+    row-major chunk allocates the whole plane and fails this)."""
+    case = Case(64, 64, 300, torch.float32, "mean", bias=True)
+    hidden, weight, bias, targets = make_inputs(case)
     ours(replace(case, chunk_bytes=16 * case.h * 4), hidden, weight, bias, targets)
     assert slabs == [16]
     outputs = {((case.n, case.h), torch.float32), ((case.v, case.h), torch.float32)}
-    for shape, dtype in sizes:
+    for shape, dtype in allocations:
         if (shape, dtype) in outputs:
             continue
         assert torch.Size(shape).numel() < case.n * case.v // 4, shape
-    assert ((16, case.h), torch.float32) in sizes  # the slab
+    assert ((16, case.h), torch.float32) in allocations  # the slab
 
 
 def test_grad_hidden_first_then_one_product_a_slab(monkeypatch, slabs):
@@ -235,7 +241,7 @@ def head(monkeypatch, slabs):
 
     def buffer(grad_weight, dtype, rows):
         if state["row_major"]:
-            return torch.empty((rows, grad_weight.shape[0]), dtype=dtype, device=grad_weight.device)
+            return device.new((rows, grad_weight.shape[0]), dtype, grad_weight.device)
         return real(grad_weight, dtype, rows)
 
     monkeypatch.setattr(chunked, "head_buffer", buffer)
@@ -364,25 +370,19 @@ def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
     assert lows == per_run
 
 
-def test_the_head_allocates_nothing_beyond_the_chunk_buffer(monkeypatch, head, slabs):
+def test_the_head_allocates_nothing_beyond_the_chunk_buffer(allocations, head, slabs):
     """Beside the outputs the hosted head's call allocates the later chunks' buffer and statistics:
-    its slabs live in that buffer, nothing of the head's plane size (the row-major head fails this),
-    and the first chunk is the head (no buffer of chunk size is written before it)."""
+    its slabs live in that buffer (no slab buffer of their own: checked by mutation), nothing of the
+    head's plane size (the row-major head fails this)."""
     case = HEAD_CASES[1]
     hidden, weight, bias, targets = make_inputs(case)
-    sizes, real = [], device.new
-
-    def spy(shape, dtype, where):
-        sizes.append((tuple(shape), dtype))
-        return real(shape, dtype, where)
-
-    monkeypatch.setattr(device, "new", spy)
     ours(case, hidden, weight, bias, targets)
     assert len(slabs) == 1
     outputs = {((case.n, case.h), torch.float32), ((case.v, case.h), torch.float32)}
     rows = _rows(torch.float32)
     chunk = rows * case.v
-    assert ((rows, case.v), torch.float32) in sizes
-    for shape, dtype in sizes:
+    assert ((rows, case.v), torch.float32) in allocations
+    assert ((_expected_slab(case, 4), case.h), torch.float32) not in allocations
+    for shape, dtype in allocations:
         if (shape, dtype) not in outputs:
             assert torch.Size(shape).numel() <= chunk, shape
