@@ -210,8 +210,8 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     parts = []
     for row0, r in spans:
         sl = slice(row0, row0 + r)
-        hosted = slab is not None or (head is not None and row0 == 0)
-        e = buffer[:r] if head is None or row0 > 0 else head_buffer(grad_weight, dtype, r)
+        in_head = head is not None and row0 == 0
+        e = head_buffer(grad_weight, dtype, r) if in_head else buffer[:r]
         # The per-tile statistics (2 x T x R fp32 for the loss: 31 MiB at S4's 4096-row chunk) in the
         # memory of the chunk's rows of grad_hidden where they fit (T <= H / 4 for bf16): its product
         # writes them only after the gradient kernel has read the statistics.
@@ -233,7 +233,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         del tile_stats
         if need_dx:
             products.product(da, weight, dx_acc[sl], False, chunk_unscale)
-        if hosted and need_dw:
+        if (slab is not None or in_head) and need_dw:
             # the first (or only) chunk's dW: unscaled when summed unscaled (``deferred_dw``)
             hosted_weight_grad(da, hidden[sl], grad_weight, slab or head[1], None if deferred_dw else chunk_unscale,
                                dw_lo, head_slabs)

@@ -88,8 +88,7 @@ def hosted_slab_rows(n: int, v: int, h: int, dtype: torch.dtype, dw_dtype: torch
     row_bytes = h * dw_dtype.itemsize
     if n * dtype.itemsize > row_bytes or n == 0:
         return None
-    rows = min(v, chunk_budget(chunk_bytes, chunked=True) // max(1, row_bytes) // 16 * 16)
-    return rows if rows >= min(v, HOSTED_MIN_ROWS) and rows > 0 else None
+    return _slab_rows(chunk_budget(chunk_bytes, chunked=True), v, row_bytes)
 
 
 def hosted_head(n: int, v: int, h: int, dtype: torch.dtype, dw_dtype: torch.dtype, rows: int,
@@ -108,8 +107,15 @@ def hosted_head(n: int, v: int, h: int, dtype: torch.dtype, dw_dtype: torch.dtyp
     head = (h * dw_dtype.itemsize // dtype.itemsize) // block_n * block_n
     if head >= n or head < 2 * rows:
         return None
-    slab = min(v, rows * v * dtype.itemsize // (h * dw_dtype.itemsize) // 16 * 16)
-    return (head, slab) if slab >= min(v, HOSTED_MIN_ROWS) and slab > 0 else None
+    slab = _slab_rows(rows * v * dtype.itemsize, v, h * dw_dtype.itemsize)
+    return (head, slab) if slab is not None else None
+
+
+def _slab_rows(buffer_bytes: int, v: int, row_bytes: int) -> int | None:
+    """The rows of grad_weight (``row_bytes`` each) a slab buffer of ``buffer_bytes`` holds, a
+    multiple of 16 and at most V, or None under HOSTED_MIN_ROWS (or all V)."""
+    rows = min(v, buffer_bytes // max(1, row_bytes) // 16 * 16)
+    return rows if rows >= min(v, HOSTED_MIN_ROWS) and rows > 0 else None
 
 
 def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:
