@@ -77,7 +77,8 @@ def cases() -> list[Case]:
                        e_desc=(chunked.block_n, chunked.block_v))
     matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
                   GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
-                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma, SPLIT_PAIR=False)
+                  INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma, SPLIT_PAIR=False,
+                  SPLIT_K=1)
     # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
     # strided one always through pointers ("matmul, pointers").
     c_desc = dict(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
@@ -143,6 +144,11 @@ def cases() -> list[Case]:
              mm.num_stages, c_dtype="*fp32"),
         Case("matmul, pointers", "matmul_kernel", "products", dict(matmul, A_T=False, C_TMA=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
+        # grad_hidden's K reduction in two halves added into fp32 by atomics (``products.split_k``)
+        Case("matmul, split K", "matmul_kernel", "products",
+             dict(matmul, A_T=False, C_TMA=True, HAS_SCALE=False, SPLIT_K=2),
+             dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p),
+                  c_desc=(mm.block_m, mm.block_p // 2)), mm.num_warps, mm.num_stages, c_dtype="*fp32"),
         pair("matmul, da^T, compensated", mm, A_T=True),
         pair("matmul, da^T, compensated int8", mm, A_T=True, lo_dtype="i8"),
         pair("matmul, da^T, compensated 4-bit", mm, A_T=True, lo_dtype="u8"),
@@ -186,7 +192,7 @@ def matmul_cases(spec: str) -> list[Case]:
     bm, bp, bk, gm, warps, stages = (int(x) for x in spec.split(","))
     base = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, GROUP_M=gm, EVEN_M=True,
                 EVEN_P=True, EVEN_K=True, BF16_EMULATION=False, INPUT_PRECISION="tf32", TMA=True, B_T=False,
-                COMPENSATED=False, C_TMA=False, SPLIT_PAIR=False)
+                COMPENSATED=False, C_TMA=False, SPLIT_PAIR=False, SPLIT_K=1)
     out = []
     for use, (extra, a_t, c_dtype, lo_dtype) in _MATMUL_USES.items():
         descs = dict(a_desc=(bk, bm) if a_t else (bm, bk), b_desc=(bk, bp))

@@ -231,8 +231,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         # Spent: where they did not fit in grad_hidden the next chunk's sweep would allocate its own
         # while these are still held, twice the statistics at the peak.
         del tile_stats
-        if need_dx:
-            products.product(da, weight, dx_acc[sl], False, chunk_unscale)
+        if need_dx:  # split in two K halves where that fills the GPU's waves (``products.split_k``) and
+            # its fp32 (R, H) buffer is at most 1/16 of the chunk's (R, V) one
+            products.product(da, weight, dx_acc[sl], False, chunk_unscale, may_split=32 * h <= v)
         if (slab is not None or in_head) and need_dw:
             # the first (or only) chunk's dW: unscaled when summed unscaled (``deferred_dw``)
             hosted_weight_grad(da, hidden[sl], grad_weight, slab or head[1], None if deferred_dw else chunk_unscale,

@@ -309,3 +309,79 @@ def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, m
     products.matmul(a, b, strided, False, third)
     assert spy.launches[-1]["C_TMA"] is False
 
+
+
+def test_a_product_split_in_two_k_halves_sums_in_fp32_and_rounds_once(monkeypatch):
+    """Where twice the output tiles fill the GPU's waves better (``split_k``), a 16-bit product runs
+    as two K halves added into an fp32 buffer of zeros, then one ``scale`` with the factor: the
+    float64 product rounded once, the same bits on every run (two atomic adds onto 0 commute), and
+    no cuBLAS. (On the CPU ``split_k`` is never 2: patched here.)"""
+    spy = _MatmulSpy(products.matmul_kernel)
+    monkeypatch.setattr(products, "matmul_kernel", spy)
+    monkeypatch.setattr(products, "split_k", lambda a, b: 2)
+    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
+    monkeypatch.setattr(products, "accumulate", lambda *a, **k: pytest.fail("cuBLAS ran"))
+    third = torch.tensor([1.0 / 3.0], device=DEVICE)
+    a, b = _operands(100, 1100, 72, torch.bfloat16, seed=8)  # ragged tiles, K steps an odd count
+    for factor in (1.0 / 3.0, None):
+        out = torch.empty(100, 72, dtype=torch.bfloat16, device=DEVICE)
+        products.product(a, b, out, False, third if factor else None, may_split=True)
+        assert _beyond_one_rounding(out, a, b, factor or 1.0) <= 2.0**-16
+        again = torch.empty_like(out)
+        products.product(a, b, again, False, third if factor else None, may_split=True)
+        assert torch.equal(again, out)
+    assert len(spy.flags) == 4
+    # Only where the caller allows it (the chunked path's grad_hidden): no fp32 buffer elsewhere.
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("an fp32 buffer for a split product"))
+    products.product(a, b, out, False, third)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
+    # Each half alone is half of the sum: neither half's programs run the whole K loop.
+    half = torch.zeros(100, 72, device=DEVICE)
+    products.matmul(a[:, :550], b[:550], half, False)
+    both = torch.zeros(100, 72, device=DEVICE)
+    products.matmul(a, b, both, False, split=2)
+    assert (both - half).abs().max() > 0 and _beyond_one_rounding(both.bfloat16(), a, b) <= 2.0**-16
+
+
+def test_split_k_counts_how_full_the_waves_are():
+    """S2's one-chunk grad_hidden (8192 x 2304, K = 256000: 576 tiles, 87% of 5 waves of 132 SMs)
+    is split; S1's and S3's (1024 tiles, 97%) and a short K are not; nothing is on the CPU."""
+    if not ON_GPU:
+        a, b = _operands(8, 16, 8, torch.bfloat16)
+        assert products.split_k(a, b) == 1
+        return
+    one = torch.zeros((1, 1), dtype=torch.bfloat16, device=DEVICE)
+    sms = configs.sm_count(one.device)
+    cfg = configs.matmul_config(torch.bfloat16)
+    for m, k, p in ((8192, 256000, 2304), (8192, 128256, 4096), (16384, 151936, 2048), (8192, 4096, 2304)):
+        tiles = -(-m // cfg.block_m) * -(-p // cfg.block_p)
+        fill = lambda t: t / (-(-t // sms) * sms)  # noqa: E731
+        want = 2 if k >= 2 * products.MIN_SPLIT_STEPS * cfg.block_k and fill(2 * tiles) >= fill(tiles) + 0.05 else 1
+        assert products.split_k(one.expand(m, k), one.expand(k, p)) == want
+    if sms == 132:  # the H200's: the cases named above
+        assert products.split_k(one.expand(8192, 256000), one.expand(256000, 2304)) == 2
+        assert products.split_k(one.expand(8192, 128256), one.expand(128256, 4096)) == 1
+
+
+@pytest.mark.parametrize("h, v, allowed", [(16, 600, True), (32, 600, False)], ids=["small-h", "large-h"])
+def test_the_chunked_grad_hidden_alone_may_split_where_its_buffer_is_small(h, v, allowed, monkeypatch):
+    """The chunked path's grad_hidden ((R, V) @ (V, H)) may run in two K halves (an fp32 (R, H)
+    buffer) only where that buffer is at most 1/16 of the chunk's (R, V) one: 32 H <= V. Its
+    grad_weight product never, nor any other product."""
+    calls = []
+    real = products.product
+
+    def spy(a, b, out, accumulate, unscale=None, may_split=False):
+        calls.append((tuple(a.shape), may_split))
+        return real(a, b, out, accumulate, unscale, may_split)
+
+    monkeypatch.setattr(products, "product", spy)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(40, h, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) * 0.2).bfloat16().to(DEVICE).requires_grad_(True)
+    targets = torch.randint(0, v, (40,), generator=g).to(DEVICE)
+    fused_linear_cross_entropy(hidden, weight, targets, strategy="chunked").backward()
+    assert ((40, v), allowed) in calls  # grad_hidden
+    assert all(not split for shape, split in calls if shape != (40, v))

@@ -4,7 +4,8 @@ runs it, and a 16-bit result is rounded once.
 - ``matmul``: the package's Triton matmul, c (+)= (a @ b) [* unscale], fp32 accumulation and the
   factor applied in its epilogue before the one rounding; TMA loads where the GPU and the layouts
   allow (cuBLAS's rate on the H200), else pointer loads. Every product into a 16-bit gradient runs
-  here, except those with ``few_tiles``.
+  here, except those with ``few_tiles``; where twice its output tiles fill the GPU's waves better
+  (``split_k``), its K reduction in two halves added into an fp32 buffer, then scaled once.
 - ``compensated``: (hi, lo) = split((a @ b) [* unscale] (+ hi + lo)): ``matmul`` summing into a
   16-bit result ``hi`` and a bf16 remainder ``lo`` (``compensation_buffer``), the pair in place of an
   fp32 accumulator across many products (a chunked grad_weight): hi + lo holds the running sum to
@@ -79,15 +80,39 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     return 2 * tiles < device.sm_count(a.device)
 
 
+# ``split_k``: each half of a split K reduction at least this many K steps (the fp32 partial's atomic
+# epilogue against its products).
+MIN_SPLIT_STEPS = 64
+
+
+def split_k(a: torch.Tensor, b: torch.Tensor) -> int:
+    """2 where ``matmul``'s output tiles fill the GPU's waves markedly worse (by 5 points or more)
+    than twice as many would, and K is long enough to halve (``MIN_SPLIT_STEPS``); else 1. The
+    chunk's grad_hidden at S2 (8192 x 2304, K = V = 256000): 576 tiles of 128 x 256 are 4.4 waves
+    of 132 SMs (87% full), 1152 are 8.7 (97%). Never on the interpreter."""
+    if a.device.type != "cuda":
+        return 1
+    cfg = configs.matmul_config(a.dtype)
+    tiles = triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
+    sms = device.sm_count(a.device)
+
+    def fill(t):
+        return t / (triton.cdiv(t, sms) * sms)
+
+    long_k = triton.cdiv(a.shape[1], cfg.block_k) >= 2 * MIN_SPLIT_STEPS
+    return 2 if long_k and fill(2 * tiles) >= fill(tiles) + 0.05 else 1
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, unscale=None,
-           lo: torch.Tensor | None = None, role: str = "product") -> None:
+           lo: torch.Tensor | None = None, role: str = "product", split: int = 1) -> None:
     """c = (a @ b) * unscale (+ c), fp32 accumulation inside the kernel; a, b in the input dtype, any
     strides; ``unscale`` an optional fp32 (1,) device tensor. The operands load through TMA
     descriptors where the config, the GPU and both layouts allow it, else through pointers.
 
     With ``lo`` (a 16-bit buffer with c's shape and strides; ``compensated``): c and lo are a
     compensated pair, s = (a @ b) * unscale (+ c + lo) split into c = s rounded and lo = the rest
-    rounded. ``role``: ``configs.matmul_config``'s."""
+    rounded. ``role``: ``configs.matmul_config``'s. ``split`` 2 (``split_k``): c an fp32 buffer of
+    zeros to which the two halves of the K reduction are added (no factor, no pair)."""
     m, k = a.shape
     p = b.shape[1]
     if m == 0 or p == 0:
@@ -100,7 +125,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     b_desc = _descriptor(b, cfg.block_k, cfg.block_p, b_t) if tma else b
     flags = device.dot_flags(a.dtype)
     c_tma = False
-    if lo is None:  # a plain result through a descriptor: the config's choice, contiguous buffers only
+    assert split == 1 or (c.dtype == torch.float32 and lo is None and unscale is None and not accumulate)
+    if split > 1:  # atomic adds through a descriptor where the layout allows, in column halves (the
+        # interpreter has no descriptor reductions: pointers there)
+        c_tma = (c.device.type == "cuda" and cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
+                 and c.is_contiguous())
+    elif lo is None:  # a plain result through a descriptor: the config's choice, contiguous buffers only
         c_tma = (cfg.tma and cfg.c_tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and c.is_contiguous())
     else:
@@ -112,13 +142,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         # every pair the package sums into is a whole gradient.
         c_tma = (cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and device.tma_layout(lo) and c.is_contiguous() and lo.is_contiguous())
-    split = c_tma and lo is not None and cfg.split_pair
-    c_block = [cfg.block_m, cfg.block_p // 2 if split else cfg.block_p]
+    split_pair = c_tma and lo is not None and cfg.split_pair
+    c_block = [cfg.block_m, cfg.block_p // 2 if split_pair or split > 1 else cfg.block_p]
     packed = lo is not None and lo.dtype == torch.uint8  # two 4-bit remainders a byte: half the columns
     lo_block = [c_block[0], c_block[1] // 2] if packed else c_block
     c_desc = TensorDescriptor.from_tensor(c, c_block) if c_tma else c
     lo_desc = TensorDescriptor.from_tensor(lo, lo_block) if c_tma and lo is not None else c
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p),)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p) * split,)
     matmul_kernel[grid](
         a, b, c, lo if lo is not None else c, unscale if unscale is not None else c, a_desc, b_desc,
         c_desc, lo_desc, m, p, k,
@@ -127,8 +157,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         ACCUMULATE=accumulate, HAS_SCALE=unscale is not None,
         BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_M=m % cfg.block_m == 0, EVEN_P=p % cfg.block_p == 0, EVEN_K=k % cfg.block_k == 0,
-        TMA=tma, A_T=a_t, B_T=b_t, COMPENSATED=lo is not None, C_TMA=c_tma, SPLIT_PAIR=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        TMA=tma, A_T=a_t, B_T=b_t, COMPENSATED=lo is not None, C_TMA=c_tma, SPLIT_PAIR=split_pair,
+        SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 
 
@@ -199,17 +229,26 @@ def compensated(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Te
     matmul(a, b, hi, accumulate, unscale, lo=lo, role=role)
 
 
-def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None) -> None:
+def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, unscale=None,
+            may_split: bool = False) -> None:
     """out (+)= (a @ b) [* unscale], the factor applied in fp32 before the one rounding: ``matmul``,
     or for a 16-bit result whose output has ``few_tiles``, cuBLAS with an fp32 result and one
     ``scale``: an fp32 (M, P) buffer while it runs, under half the SMs' worth of 128 x 256 tiles
-    (8.25 MiB on an H200; outside ``chunk_bytes``, like the O(N) statistics).
+    (8.25 MiB on an H200; outside ``chunk_bytes``, like the O(N) statistics). ``may_split`` (the
+    caller's say: the chunked path's grad_hidden where the fp32 buffer is small beside its chunk) and
+    ``split_k``: ``matmul`` in two K halves into an fp32 (M, P) buffer of zeros, then one ``scale``
+    (at S2's one chunk 72 MiB beside its 4000 MiB (N, V) buffer). Not the recompute path's products:
+    split there (v31's first try) they took 20-88 MiB beyond its budgets and S2's default 6% longer.
 
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
     relative error repeated across the batch (tests/kernel/test_rounding.py)."""
     if not accumulate and out.dtype != torch.float32 and few_tiles(a, b):
         _fp32_then_scale(a, b, out, unscale)
+    elif may_split and not accumulate and out.dtype != torch.float32 and split_k(a, b) > 1:
+        result = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+        matmul(a, b, result, False, split=2)
+        scale(result, unscale if unscale is not None else torch.ones((1,), device=a.device), out=out)
     else:
         matmul(a, b, out, accumulate, unscale)
 
@@ -250,8 +289,13 @@ def scale(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype | None = None, 
     numel = src.numel()
     if numel:
         block = 4096 if not device.interpreted() else 1 << 16
+        src = src.contiguous()
+        # In place, a factor of 1 leaves every value as it is (x * 1 rounds to x): the kernel then
+        # reads and writes nothing (the backward of ``loss.backward()``, g = 1: 0.3-0.6 ms a step
+        # of S1-S3's grad_weight on the H200, NOTES v31).
+        in_place = out.data_ptr() == src.data_ptr() and out.dtype == src.dtype
         scale_kernel[(triton.cdiv(numel, block),)](
-            src.contiguous(), out, g, numel, BLOCK=block, BF16_EMULATION=device.bf16_emulation(out.dtype),
+            src, out, g, numel, BLOCK=block, IN_PLACE=in_place, BF16_EMULATION=device.bf16_emulation(out.dtype),
             num_warps=8 if not device.interpreted() else 1,
         )
     return out
@@ -410,6 +454,7 @@ def matmul_kernel(
     COMPENSATED: tl.constexpr = False,
     C_TMA: tl.constexpr = False,
     SPLIT_PAIR: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
 
@@ -431,8 +476,24 @@ def matmul_kernel(
     SPLIT_PAIR (the config's ``split_pair``; the pair through descriptors whose blocks are
     (BLOCK_M, BLOCK_P // 2)): the pair's epilogue runs on the two column halves of the tile in turn,
     the same arithmetic per element (offline sm_90: 104 bytes of stack against 0 with an int8 lo).
+    SPLIT_K = 2 (``split_k``): twice the programs, each over half of the K steps (the second half's
+    programs after all of the first's, so that a wave shares operands as without), adding its fp32
+    partial product into C (fp32, zeroed by the host) by atomics: 0 + x is exact and x + y = y + x,
+    so the two halves' sum is the same bits in either order. With C_TMA a reduction through the
+    descriptor (blocks (BLOCK_M, BLOCK_P // 2), the tile's column halves in turn), else through
+    pointers (a tile of pointers: 560 bytes of stack offline). No factor, no pair.
     """
-    pid_m, pid_p = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
+    pid = tl.program_id(0)
+    n_steps = tl.cdiv(K, BLOCK_K)
+    k_lo = 0
+    k_hi = n_steps
+    if SPLIT_K > 1:
+        n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(P, BLOCK_P)
+        per = tl.cdiv(n_steps, SPLIT_K)
+        k_lo = (pid // n_tiles) * per
+        k_hi = tl.minimum(n_steps, k_lo + per)
+        pid = pid % n_tiles
+    pid_m, pid_p = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(P, BLOCK_P), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_m = offs_m < M
@@ -441,7 +502,7 @@ def matmul_kernel(
     a_base = a_ptr + offs_m[:, None] * stride_am
     b_base = b_ptr + offs_p[None, :] * stride_bp
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_lo, k_hi):
         if TMA:
             a = load_block(a_desc, pid_m * BLOCK_M, k * BLOCK_K, A_T)
             b = load_block(b_desc, k * BLOCK_K, pid_p * BLOCK_P, B_T)
@@ -466,7 +527,13 @@ def matmul_kernel(
     col0 = pid_p * BLOCK_P
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr)
-    if COMPENSATED and C_TMA:  # rows and columns past the end are neither read nor written
+    if SPLIT_K > 1 and C_TMA:  # a reduction through the descriptor (blocks (BLOCK_M, BLOCK_P // 2)), per half
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_P // 2)), (0, 2, 1)))
+        c_desc.atomic_add([row0, col0], left)
+        c_desc.atomic_add([row0, col0 + BLOCK_P // 2], right)
+    elif SPLIT_K > 1:
+        tl.atomic_add(c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp, acc, mask=mask)
+    elif COMPENSATED and C_TMA:  # rows and columns past the end are neither read nor written
         if SPLIT_PAIR:  # two column halves, one after the other: fewer live registers
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_P // 2)), (0, 2, 1)))
             pair_through_descriptors(left, c_desc, lo_desc, row0, col0, ACCUMULATE, BF16_EMULATION)
@@ -501,13 +568,19 @@ def matmul_kernel(
 
 
 @triton.jit
-def scale_kernel(src_ptr, out_ptr, g_ptr, numel, BLOCK: tl.constexpr, BF16_EMULATION: tl.constexpr):
+def scale_kernel(src_ptr, out_ptr, g_ptr, numel, BLOCK: tl.constexpr, IN_PLACE: tl.constexpr,
+                 BF16_EMULATION: tl.constexpr):
     """out = src * g, computed in fp32 and rounded once to out's dtype; g an fp32 scalar in memory
     (the upstream gradient, read on the device: no host sync). Grid (cdiv(numel, BLOCK),).
     torch's ``bf16 * fp32 0-d tensor`` does the same arithmetic through a casting loop at half the
-    memory rate (H200: ~1 ms for a 1 GiB grad_weight)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    memory rate (H200: ~1 ms for a 1 GiB grad_weight). IN_PLACE (out is src): nothing moves when
+    g is 1, a branch every program takes alike."""
     g = tl.load(g_ptr)
-    x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, round_to(x * g, out_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
+    work = True
+    if IN_PLACE:
+        work = g != 1.0
+    if work:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, round_to(x * g, out_ptr.dtype.element_ty, BF16_EMULATION), mask=mask)
