@@ -209,6 +209,30 @@ def kernel_times(run, top=10, width=48):
     return {**top_kernels, "(all kernels)": sum(agg.values())}
 
 
+def cuda_events(step, reps=3):
+    """The CUDA kernel events of ``reps`` calls of ``step()`` under the profiler (after one call
+    outside it), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def kernel_sequence(step, reps=3):
+    """[(kernel name, ms)] of one ``step()`` in launch order, each the mean over ``reps`` steps (so
+    that kernels of one name, as the products sharing ``matmul_kernel``, stay apart)."""
+    events = cuda_events(step, reps)
+    per = len(events) // reps
+    return [(events[i].name[:70], sum(events[i + r * per].device_time for r in range(reps)) / 1000 / reps)
+            for i in range(per)]
+
+
 def write_results(out_dir, filename, rows, **extra):
     """Writes {meta, rows, **extra} as JSON under ``out_dir`` and prints the rows as a table last."""
     import json

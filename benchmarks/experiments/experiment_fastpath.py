@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fused_linear_ce  # noqa: E402
 from bench import WHOLE, make_data  # noqa: E402
-from experiment_common import parse_args, reference, timed  # noqa: E402
+from experiment_common import kernel_sequence, parse_args, reference, timed  # noqa: E402
 from fused_linear_ce import configs, products  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
@@ -85,24 +84,6 @@ def stepper(fn, hidden, weight, targets):
         x.grad = w.grad = None
         fn(x, w, targets).backward()
     return step
-
-
-def kernel_sequence(step, reps=3):
-    """[(kernel name, ms)] of one step in launch order (the mean of ``reps`` steps)."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    per = len(events) // reps
-    seq = []
-    for i in range(per):
-        ms = sum(events[i + r * per].device_time for r in range(reps)) / 1000 / reps
-        seq.append((events[i].name[:70], ms))
-    return seq
 
 
 def errors(hidden, weight, targets, ours, variants):

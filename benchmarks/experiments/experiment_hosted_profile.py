@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fused_linear_ce  # noqa: E402
 from bench import make_data  # noqa: E402
+from experiment_common import cuda_events  # noqa: E402
 from fused_linear_ce import chunked  # noqa: E402
 
 SHAPES = {"bf16": (4096, 4096, 128256), "master": (8192, 4096, 128256)}
@@ -48,16 +48,9 @@ def stepper(kind, kwargs):
 
 
 def kernel_times(step, reps=3):
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
     totals = collections.Counter()
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            totals[evt.name[:60]] += evt.device_time / 1000 / reps
+    for evt in cuda_events(step, reps):
+        totals[evt.name[:60]] += evt.device_time / 1000 / reps
     return totals
 
 
