@@ -193,9 +193,9 @@ def test_grad_hidden_first_then_one_product_a_slab(monkeypatch, slabs):
     then one product a slab, the last one ragged."""
     events, real = [], products.product
 
-    def spy(a, b, out, accumulate, unscale=None):
+    def spy(a, b, out, accumulate, unscale=None, **kwargs):
         events.append(("product", a.shape[0]))
-        return real(a, b, out, accumulate, unscale)
+        return real(a, b, out, accumulate, unscale, **kwargs)
 
     monkeypatch.setattr(products, "product", spy)
     case = Case(48, 64, 300, torch.float32, "mean")
