@@ -168,3 +168,26 @@ def check_three_way(case: Case, inputs=None, floor=None):
         if k not in case.grad or (k == "bias" and bias is None):
             assert grads[k] is None
     return loss, grads
+
+
+def long_context_at(monkeypatch, chunk: int) -> list:
+    """"auto"'s long-context plan on a small case: ``chunked.long_context_budget`` gives ``chunk``
+    bytes wherever its rules take S4 (65536 x 4096 x 128256) for this call's options, dtype and
+    gradients. Returns the list each ``products.compensated`` call appends to: (remainder dtype,
+    remainder shape, accumulate)."""
+    from fused_linear_ce import products
+
+    real = chunked.long_context_budget
+
+    def small(opts, n, v, h, dtype, needs, master, sharded):
+        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded) is None else chunk
+
+    monkeypatch.setattr(chunked, "long_context_budget", small)
+    lows, original = [], products.compensated
+
+    def spy(a, b, hi, lo, accumulate, unscale=None, role="product"):
+        lows.append((lo.dtype, tuple(lo.shape), accumulate))
+        return original(a, b, hi, lo, accumulate, unscale, role)
+
+    monkeypatch.setattr(products, "compensated", spy)
+    return lows

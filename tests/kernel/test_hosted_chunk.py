@@ -25,7 +25,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cases import Case, check_three_way, make_inputs, ours
+from cases import Case, check_three_way, long_context_at, make_inputs, ours
 from conftest import DEVICE, ON_GPU, rel_err
 from fused_linear_ce import chunked, configs, device, fused_linear_cross_entropy, plan, products
 from fused_linear_ce.validate import Options
@@ -343,20 +343,8 @@ def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
     row-major head's, and against float64 (``check_three_way``)."""
     case = _head_case(torch.bfloat16, 3 * _rows(torch.bfloat16), reduction="mean", ignored=0.1)
     chunk, h, v = case.chunk_bytes, case.h, case.v
-    case = replace(case, chunk_bytes=None)  # the default options; the budget comes from ``small``
-    real = chunked.long_context_budget
-
-    def small(opts, n_, v_, h_, dtype, needs, master, sharded):
-        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded) is None else chunk
-
-    monkeypatch.setattr(chunked, "long_context_budget", small)
-    lows, original = [], products.compensated
-
-    def spy(a, b, hi, lo, accumulate, unscale=None, role="product"):
-        lows.append((lo.dtype, tuple(lo.shape), accumulate))
-        return original(a, b, hi, lo, accumulate, unscale, role)
-
-    monkeypatch.setattr(products, "compensated", spy)
+    case = replace(case, chunk_bytes=None)  # the default options; the budget comes from ``long_context_at``
+    lows = long_context_at(monkeypatch, chunk)
     (out, grads, seen), (ref, ref_grads, _) = _head_runs(case, head, slabs)
     slab = chunk // (h * 2) // 16 * 16
     starts = [(torch.uint8, (min(slab, v - v0), h // 2), False) for v0 in range(0, v, slab)]

@@ -346,27 +346,13 @@ def test_the_long_context_chunked_path_sums_grad_weight_in_a_4bit_pair(monkeypat
     is grad_weight's alone), grad_weight within 5% of its error against float64 (dropping the
     remainder doubles it: checked by mutation); and the whole against float64 as every path is
     (``check_three_way``)."""
-    from cases import Case, check_three_way, make_inputs
-    from fused_linear_ce import chunked, fused_linear_cross_entropy, products, reference
+    from cases import Case, check_three_way, long_context_at, make_inputs
+    from fused_linear_ce import fused_linear_cross_entropy, reference
 
     rows = max(48, configs.sweep_config(torch.bfloat16, chunked=True).block_n)  # whole row blocks
     n, h, v = 8 * rows, 64, 320
     chunk = rows * v * 2
-    real = chunked.long_context_budget
-
-    def small(opts, n_, v_, h_, dtype, needs, master, sharded):
-        if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded) is None:  # the same rules
-            return None
-        return chunk
-
-    monkeypatch.setattr(chunked, "long_context_budget", small)
-    lows, original = [], products.compensated
-
-    def spy(a, b, hi, lo, accumulate, unscale=None, role="product"):
-        lows.append((lo.dtype, tuple(lo.shape), accumulate))
-        return original(a, b, hi, lo, accumulate, unscale, role)
-
-    monkeypatch.setattr(products, "compensated", spy)
+    lows = long_context_at(monkeypatch, chunk)  # the same rules as at S4, this budget
     case = Case(n, h, v, torch.bfloat16, "mean", ignored=0.1)
     hidden, weight, _, targets = make_inputs(case)
     runs = {}
