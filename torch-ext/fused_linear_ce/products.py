@@ -238,7 +238,8 @@ def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
     caller's say: the chunked path's grad_hidden where the fp32 buffer is small beside its chunk) and
     ``split_k``: ``matmul`` in two K halves into an fp32 (M, P) buffer of zeros, then one ``scale``
     (at S2's one chunk 72 MiB beside its 4000 MiB (N, V) buffer). Not the recompute path's products:
-    split there (v31's first try) they took 20-88 MiB beyond its budgets and S2's default 6% longer.
+    there the buffer would stand beyond ``chunk_bytes`` (20-88 MiB at S1/S2's budgets, and S2's
+    default 6% slower, measured on the H200: NOTES v31).
 
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
