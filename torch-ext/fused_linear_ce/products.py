@@ -244,20 +244,25 @@ def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
     Never fold a factor shared by every row into da before the product instead: on rows where p is
     far from the target's 1, every target entry rounds ``factor * (p_t - 1)`` the same way, one
     relative error repeated across the batch (tests/kernel/test_rounding.py)."""
-    if not accumulate and out.dtype != torch.float32 and few_tiles(a, b):
+    rounded = not accumulate and out.dtype != torch.float32  # a 16-bit result written once
+    if rounded and few_tiles(a, b):
         _fp32_then_scale(a, b, out, unscale)
-    elif may_split and not accumulate and out.dtype != torch.float32 and split_k(a, b) > 1:
-        result = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-        matmul(a, b, result, False, split=2)
-        scale(result, unscale if unscale is not None else torch.ones((1,), device=a.device), out=out)
+    elif rounded and may_split and split_k(a, b) > 1:
+        _fp32_then_scale(a, b, out, unscale, split=2)
     else:
         matmul(a, b, out, accumulate, unscale)
 
 
-def _fp32_then_scale(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, unscale) -> None:
-    """out = (a @ b) [* unscale]: cuBLAS with an fp32 result (``accumulate``), then one ``scale``."""
-    result = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-    accumulate(a, b, result, True)
+def _fp32_then_scale(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, unscale, split: int = 1) -> None:
+    """out = (a @ b) [* unscale]: an fp32 result, then one ``scale``. The fp32 result from cuBLAS
+    (``accumulate``), or with ``split`` 2 from ``matmul``'s two K halves added onto zeros."""
+    shape = (a.shape[0], b.shape[1])
+    if split > 1:
+        result = torch.zeros(shape, dtype=torch.float32, device=a.device)
+        matmul(a, b, result, False, split=split)
+    else:
+        result = torch.empty(shape, dtype=torch.float32, device=a.device)
+        accumulate(a, b, result, True)
     scale(result, unscale if unscale is not None else torch.ones((1,), device=a.device), out=out)
 
 
