@@ -67,7 +67,7 @@ def cases() -> list[Case]:
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=True)
     forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
-                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, GROUP_M=0,
+                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, E_T=False, GROUP_M=0,
                    SKIP_IGNORED=True)
     descs = dict(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
     backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
@@ -104,7 +104,8 @@ def cases() -> list[Case]:
         warps = warps or chunked_module.gradient_warps(chunked, entropy_grad)  # never interpreted here
         return Case(name, "softmax_gradient_kernel", "chunked",
                     dict(HAS_SOFTCAP=False, SMOOTHING=False, ENTROPY_GRAD=entropy_grad, HAS_CLASS_WEIGHT=False,
-                         BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked.block_v, BF16_EMULATION=False),
+                         BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked_module.gradient_cols(chunked),
+                         STATS_V=chunked.block_v, BF16_EMULATION=False),
                     {}, warps, 1, unit_strides=("stride_e",) if class_major else ("stride_ev",))
 
     return [
@@ -124,6 +125,14 @@ def cases() -> list[Case]:
                   STORE_E=True, E_TMA=True, E_T=True, GROUP_M=chunked.group_m),
              dict(chunk_descs, e_desc=(chunked.block_v, chunked.block_n)), chunked.num_warps, chunked.num_stages,
              unit_strides=("stride_e",)),
+        Case("chunked sweep, metrics", "lse_sweep_kernel", "sweep",
+             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
+                  STORE_E=True, E_TMA=True, METRICS=True, GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps,
+             chunked.num_stages),
+        Case("chunked sweep, softcap and bias", "lse_sweep_kernel", "sweep",
+             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
+                  STORE_E=True, E_TMA=True, HAS_SOFTCAP=True, HAS_BIAS=True, GROUP_M=chunked.group_m), chunk_descs,
+             chunked.num_warps, chunked.num_stages),
         Case("sweep, every per-token field", "lse_sweep_kernel", "sweep",
              dict(forward, METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False), descs,
              sweep.num_warps, sweep.num_stages),

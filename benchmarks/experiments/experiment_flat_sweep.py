@@ -1,26 +1,26 @@
 """Issue 22 target 4 at S1: the chunked path's sweep as a persistent kernel with one hand-flattened
 loop over (tile, K step), so that Triton's pipeliner issues the next tile's first operand loads
-while this tile's softmax epilogue runs. One GPU call.
+while this tile's softmax epilogue runs. One GPU call per run.
 
-The shipped chunked sweep (``sweep.lse_sweep_kernel`` with STORE_E) runs one 128 x 128 tile a
-program, one program an SM: an SM's tensor cores idle through each tile's epilogue (exp, the tile
-max and sum, the exponentials' store) and through the next program's first loads. Here
-``flat_sweep_kernel`` keeps one program an SM walking tiles ``pid, pid + P, ...`` (grouped as the
-shipped grid), its loop over ``tiles_per_program x K steps`` with the epilogue under
-``if k == last``. The plain loss only (no bias, softcap, metrics, label smoothing, class weights),
-row-major exponentials through a descriptor: what the fast path runs at S1-S3.
-
+Run 1 (``--run 1``, ``results/flat/run1.*``): a standalone kernel (``flat_sweep_kernel`` below: the
+plain loss only, row-major exponentials through a descriptor, what the fast path runs at S1-S3).
 - The kernels alone on each shape's chunk (one chunk of all rows): the shipped sweep, the flat
   sweep at 3 / 4 stages and with ``warp_specialize`` (in a child process: a compiler abort is a
-  row, not the end of the run), cuBLAS's bf16 logits (no epilogue) and the package's Triton matmul
-  writing bf16 logits (its mainloop with a plain epilogue). The flat sweep's exponentials, tile
-  statistics and target logits are compared bit for bit with the shipped sweep's first.
+  row, not the end of the run), both at 128 x 128 and 128 x 256, cuBLAS's bf16 logits (no
+  epilogue) and the package's Triton matmul writing bf16 logits. The flat sweep's exponentials,
+  tile statistics and target logits are compared bit for bit with the shipped sweep's first.
 - Whole fast-path steps side by side (interleaved rounds): ours, ours with the flat sweep patched
-  into ``sweep._triton_sweep``, torch.compile.
+  into ``sweep._triton_sweep`` at the shipped 128 x 128 tiles, torch.compile.
 
-    python3 benchmarks/experiments/experiment_flat_sweep.py --out $OUT/flat
+Run 2 (default, ``results/flat/run2.*``, with ``results/flat/flat_sweep.patch`` applied: the
+package's own persistent sweep, ``flat_sweep.py``, since removed) under each chunked-sweep config (``_configs``: the 128 x 128 one-tile grid, the same grid at
+128 x 256 with 8 warps, the persistent kernel at 128 x 256 with and without its compaction of
+ignored row blocks): errors against the fp32 reference, the sweep alone, whole steps interleaved
+with torch.compile, and at the first shape a batch whose every other 512 rows are ignored.
 
-On the CPU (``TRITON_INTERPRET=1``) ``--check`` runs only the bit-for-bit comparison at a small shape.
+    python3 benchmarks/experiments/experiment_flat_sweep.py --out $OUT/flat [--run 1]
+
+On the CPU (``TRITON_INTERPRET=1``) ``--check`` runs only run 1's bit-for-bit comparison at a small shape.
 """
 
 import collections
@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -46,6 +47,8 @@ from fused_linear_ce.logits import grouped_tile, round_to  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
+# The chunked sweep's tiles when run 1 ran (v13's; 128 x 256 with 8 warps since v32)
+RUN1_TILES = configs.TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -183,9 +186,10 @@ def cpu_check():
 
 
 def kernels_alone(name, hidden, weight, targets, rep, timed):
+    """Run 1: the standalone kernel against the shipped sweep, cuBLAS and the Triton matmul."""
     n, h = hidden.shape
     v = weight.shape[0]
-    cfg = configs.tiles("chunked", hidden.dtype, h)
+    cfg = RUN1_TILES  # the chunked sweep's tiles at run 1
     e = torch.empty(n, v, dtype=hidden.dtype, device="cuda")
     z = torch.empty(n, device="cuda")
     t = triton.cdiv(v, cfg.block_v)
@@ -195,10 +199,9 @@ def kernels_alone(name, hidden, weight, targets, rep, timed):
     for stages in (3, 4):
         rows[f"flat 128x128 s{stages}"] = timed(lambda: flat_sweep(hidden, weight, targets, e, z, stats, cfg, stages), rep)
     wide = configs.TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
-    e_wide = e
     stats_w = torch.empty(2, triton.cdiv(v, 256), n, device="cuda")
-    rows["shipped 128x256 w8 s3"] = timed(lambda: shipped(hidden, weight, targets, e_wide, z, wide), rep)
-    rows["flat 128x256 w8 s3"] = timed(lambda: flat_sweep(hidden, weight, targets, e_wide, z, stats_w, wide, 3), rep)
+    rows["shipped 128x256 w8 s3"] = timed(lambda: shipped(hidden, weight, targets, e, z, wide), rep)
+    rows["flat 128x256 w8 s3"] = timed(lambda: flat_sweep(hidden, weight, targets, e, z, stats_w, wide, 3), rep)
     rows["cuBLAS logits bf16"] = timed(lambda: torch.mm(hidden, weight.t(), out=e), rep)
     one = torch.ones(1, device="cuda")
     rows["Triton matmul logits bf16"] = timed(lambda: products.matmul(hidden, weight.t(), e, False, one), rep)
@@ -206,7 +209,7 @@ def kernels_alone(name, hidden, weight, targets, rep, timed):
 
 
 def probe_ws(name):
-    """The flat sweep with warp_specialize, in a child: (bit-equal, ms) or the failure."""
+    """Run 1: the flat sweep with warp_specialize, in a child: (bit-equal, ms) or the failure."""
     r = subprocess.run([sys.executable, __file__, "--ws-child", name], capture_output=True, text=True, timeout=300)
     tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
     if r.returncode != 0:
@@ -219,7 +222,7 @@ def ws_child(name):
     from experiment_common import timed
     n, h, v = SHAPES[name]
     hidden, weight, targets = make_data(n, h, v, "random", torch.device("cuda"), seed=0)
-    cfg = configs.tiles("chunked", hidden.dtype, h)
+    cfg = RUN1_TILES  # the chunked sweep's tiles at run 1
     same = compare(hidden, weight, targets, cfg, (3,), (True,))
     e = torch.empty(n, v, dtype=hidden.dtype, device="cuda")
     z = torch.empty(n, device="cuda")
@@ -228,18 +231,12 @@ def ws_child(name):
     print(json.dumps(dict(same=same["s3-ws"], ms=ms)))
 
 
-def main():
-    if "--check" in sys.argv:
-        return cpu_check()
-    if "--ws-child" in sys.argv:
-        return ws_child(sys.argv[sys.argv.index("--ws-child") + 1])
+def run1(args):
+    """Run 1: the standalone kernel (``flat_sweep_kernel`` above) in the kernels-alone table and
+    patched into whole steps at the shipped 128 x 128 tiles."""
     from bench import WHOLE, make_data
-    from experiment_common import parse_args, timed
+    from experiment_common import timed
     from experiment_fastpath import stepper, torch_ce
-    args = parse_args(SHAPES, lambda ap: (ap.add_argument("--dists", nargs="+", default=["random", "peaked"]),
-                                          ap.add_argument("--rounds", type=int, default=3),
-                                          ap.add_argument("--rep", type=int, default=200),
-                                          ap.add_argument("--no-ws", action="store_true")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, shapes={})
@@ -254,7 +251,7 @@ def main():
         for dist in args.dists:
             hidden, weight, targets = make_data(n, h, v, dist, torch.device("cuda"), seed=0)
             if dist == args.dists[0]:
-                cfg = configs.tiles("chunked", hidden.dtype, h)
+                cfg = RUN1_TILES  # the chunked sweep's tiles at run 1
                 rec["bits"] = compare(hidden, weight, targets, cfg, (3, 4))
                 print(f"{name} bit-equal to the shipped sweep: {rec['bits']}", flush=True)
                 rec["kernels"] = kernels_alone(name, hidden, weight, targets, args.rep, timed)
@@ -285,6 +282,121 @@ def main():
             torch.cuda.empty_cache()
         (out / "experiment_flat_sweep.json").write_text(json.dumps(result, indent=1))
     print("\n" + "\n".join(table))
+
+
+# Run 2: the package's chunked sweep under each tile config (``configs._GPU_CHUNKED_SWEEP`` patched):
+# the 128 x 128 one-tile grid (v13), the same grid at 128 x 256 w8 (shipped since), and with
+# ``results/flat/flat_sweep.patch`` applied (run 2 was on it) the persistent flattened kernel
+# (``flat_sweep``) at 128 x 256 w8, with its compaction of ignored row blocks and without.
+def _configs():
+    wide = configs.TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
+    out = {"t128": replace(wide, block_v=128, num_warps=4), "wide": wide}
+    if hasattr(configs, "_GPU_CHUNKED_FLAT"):  # the patch
+        out.update({"flat": configs._GPU_CHUNKED_FLAT, "flat-nocompact": configs._GPU_CHUNKED_FLAT})
+    return out
+
+
+def _use(label, cfgs):
+    """Patches the package to run ``label``; returns the undo."""
+    real_cfg, real_skip = configs._GPU_CHUNKED_SWEEP, sweep.skip_ignored
+    configs._GPU_CHUNKED_SWEEP = cfgs[label]
+    if label == "flat-nocompact":  # every row block computed (the same results where none is ignored)
+        sweep.skip_ignored = lambda opts: False
+
+    def undo():
+        configs._GPU_CHUNKED_SWEEP = real_cfg
+        sweep.skip_ignored = real_skip
+    return undo
+
+
+def _ignored_half(targets, run=512):
+    """Every other run of 512 rows ignored (prompt tokens under an assistant-only loss)."""
+    t = targets.clone()
+    idx = torch.arange(t.shape[0], device=t.device)
+    t[(idx // run) % 2 == 0] = -100
+    return t
+
+
+def run2(args):
+    from bench import WHOLE, make_data
+    from experiment_common import reference, timed
+    from experiment_fastpath import stepper, torch_ce
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfgs = _configs()
+    labels = list(cfgs)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  configs={k: str(v) for k, v in cfgs.items()}, shapes={})
+    table = []
+    ours = partial(fused_linear_ce.fused_linear_cross_entropy, strategy="chunked", chunk_bytes=WHOLE)
+    for name in args.shapes:
+        n, h, v = SHAPES[name]
+        rec = result["shapes"][name] = dict(errors={}, sweep={}, steps={})
+        torch._dynamo.reset()
+        compiled = torch.compile(torch_ce, dynamic=False)
+        dists = list(args.dists) + (["random-ignored-half"] if name == args.shapes[0] else [])
+        for dist in dists:
+            hidden, weight, targets = make_data(n, h, v, dist.split("-")[0], torch.device("cuda"), seed=0)
+            if dist.endswith("ignored-half"):
+                targets = _ignored_half(targets)
+            if dist == dists[0]:
+                ref_loss, ref_dx, ref_dw = reference(hidden, weight, targets)
+                for label in labels:
+                    undo = _use(label, cfgs)
+                    try:
+                        x = hidden.detach().requires_grad_(True)
+                        w = weight.detach().requires_grad_(True)
+                        loss = ours(x, w, targets)
+                        loss.backward()
+                        rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+                        rec["errors"][label] = dict(loss=abs(loss.item() - ref_loss.item()), dx=rel(x.grad, ref_dx),
+                                                    dw=rel(w.grad, ref_dw))
+                        e = torch.empty(n, v, dtype=hidden.dtype, device="cuda")
+                        cfg = RUN1_TILES  # the chunked sweep's tiles at run 1
+                        rec["sweep"][label] = timed(
+                            lambda: sweep.sweep(hidden, weight, targets, None, None, Options(), None, e, cfg), args.rep)
+                        del e, x, w, loss
+                    finally:
+                        undo()
+                    row = (f"{name} {label:15s} sweep {rec['sweep'][label]:7.3f} ms  dX {rec['errors'][label]['dx']:.2e}"
+                           f"  dW {rec['errors'][label]['dw']:.2e}")
+                    print(row, flush=True)
+                    table.append(row)
+                del ref_dx, ref_dw
+            step = stepper(ours, hidden, weight, targets)
+            times = collections.defaultdict(list)
+            for _ in range(args.rounds):
+                times["compile"].append(timed(stepper(compiled, hidden, weight, targets), args.rep))
+                for label in labels:
+                    undo = _use(label, cfgs)
+                    try:
+                        times[label].append(timed(step, args.rep))
+                    finally:
+                        undo()
+            rec["steps"][dist] = dict(times)
+            base = min(times["compile"])
+            for label, ts in times.items():
+                row = f"{name} {dist:20s} {label:15s} " + " ".join(f"{t:7.2f}" for t in ts) + f"  {min(ts) / base:6.3f}x"
+                table.append(row)
+                print(row, flush=True)
+            del hidden, weight, targets
+            torch.cuda.empty_cache()
+        (out / "experiment_flat_sweep.json").write_text(json.dumps(result, indent=1))
+    print("\n" + "\n".join(table))
+
+
+def main():
+    if "--check" in sys.argv:
+        return cpu_check()
+    if "--ws-child" in sys.argv:
+        return ws_child(sys.argv[sys.argv.index("--ws-child") + 1])
+    from experiment_common import parse_args
+    args = parse_args(SHAPES, lambda ap: (ap.add_argument("--dists", nargs="+", default=["random", "peaked"]),
+                                          ap.add_argument("--rounds", type=int, default=3),
+                                          ap.add_argument("--rep", type=int, default=200),
+                                          ap.add_argument("--no-ws", action="store_true"),
+                                          ap.add_argument("--run", type=int, default=2)))
+    return run1(args) if args.run == 1 else run2(args)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,26 @@ def test_chunked_sweep_stores_through_a_descriptor_where_the_layout_allows(v, e_
     assert launches and set(launches) == {e_tma}
 
 
+@pytest.mark.parametrize("sweep_cols", [128, 256])
+def test_chunked_gradient_finds_each_column_tile_max_in_wider_sweep_tiles(sweep_cols, monkeypatch):
+    """The chunked path's gradient kernel runs programs of at most 128 columns
+    (``chunked.gradient_cols``) whatever the sweep's tile width, each reading the tile max of the
+    sweep tile its columns lie in (the GPU's sweep tiles are 256 wide, as the interpreter's): the
+    gradients match float64 at either width, and the launches say which columns and statistics."""
+    from conftest import KernelSpy
+    from fused_linear_ce import chunked
+
+    cfg = dataclasses.replace(configs.tiles("chunked", torch.bfloat16), block_v=sweep_cols)
+    real_tiles = configs.tiles
+    monkeypatch.setattr(configs, "tiles", lambda role, dt, h=None: cfg if role == "chunked" else real_tiles(role, dt, h))
+    spy = KernelSpy(chunked.softmax_gradient_kernel)
+    monkeypatch.setattr(chunked, "softmax_gradient_kernel", spy)
+    check_three_way(Case(40, 48, 1000, torch.bfloat16, "mean", ignored=0.2, bias=True, extra=dict(strategy="chunked")))
+    assert spy.launches and {(k["BLOCK_V"], k["STATS_V"]) for k in spy.launches} == {(128, sweep_cols)}
+    if device.interpreted():  # the shipped interpreter tiles: every chunked CPU test reads wider tiles
+        assert chunked.gradient_cols(real_tiles("chunked", torch.bfloat16)) < real_tiles("chunked", torch.bfloat16).block_v
+
+
 @pytest.mark.parametrize("major", [7, 8, 9, 10])
 def test_tma_descriptors_only_with_tma_hardware(major, monkeypatch):
     """A CUDA GPU below compute capability 9.0 (no TMA hardware) keeps the pointer loads."""

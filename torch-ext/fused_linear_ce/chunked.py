@@ -212,8 +212,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         sl = slice(row0, row0 + r)
         in_head = head is not None and row0 == 0
         e = head_buffer(grad_weight, dtype, r) if in_head else buffer[:r]
-        # The per-tile statistics (2 x T x R fp32 for the loss: 31 MiB at S4's 4096-row chunk) in the
-        # memory of the chunk's rows of grad_hidden where they fit (T <= H / 4 for bf16): its product
+        # The per-tile statistics (2 x T x R fp32 for the loss, T = V / 256 tiles: 16 MiB at S4's
+        # 4096-row chunk) in the memory of the chunk's rows of grad_hidden where they fit (T <= H / 4
+        # for bf16): its product
         # writes them only after the gradient kernel has read the statistics.
         scratch = dx_acc[sl] if need_dx else None
         stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg,
@@ -303,21 +304,22 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
     _, _, softcap_out, grad_scale = opts.kernel_scales()
     entropy_grad = coef.shape[0] > 3
     block_n, warps = gradient_rows(cfg, entropy_grad), gradient_warps(cfg, entropy_grad)
-    softmax_gradient_kernel[(triton.cdiv(r, block_n), triton.cdiv(v, cfg.block_v))](
+    cols = gradient_cols(cfg)
+    softmax_gradient_kernel[(triton.cdiv(r, block_n), triton.cdiv(v, cols))](
         e, e, tile_stats, stats.lse2, coef, stats.z_target, targets,
         class_weight if class_weight is not None else coef, dbias if dbias is not None else coef,
         0, r, v, r, e.stride(0), e.stride(1), targets.stride(0), grad_scale, softcap_out,
         shard.offset if shard is not None else 0,
         HAS_SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=entropy_grad,
         HAS_CLASS_WEIGHT=class_weight is not None, BIAS_GRAD=dbias is not None,
-        BLOCK_N=block_n, BLOCK_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(e.dtype),
+        BLOCK_N=block_n, BLOCK_V=cols, STATS_V=cfg.block_v, BF16_EMULATION=device.bf16_emulation(e.dtype),
         num_warps=warps,
     )
     return e
 
 
 # The gradient kernel's programs (H200, bf16, S1's 8192 x 128256 chunk alone, 128-wide vocabulary
-# tiles; benchmarks/results/chunk_kernels/): without the entropy gradient the sweep's 128 rows and
+# tiles; benchmarks/results/chunk_kernels/): without the entropy gradient 128 rows and
 # 4 warps take 2.18 ms (8 warps 2.55, the copy of the chunk 0.98; 1-2 warps on 32-64 rows 2.13-2.23);
 # with it 128 rows spill into 6.26 ms at 8 warps and 3.76 at 4, where 32 rows with 8 warps take 3.21.
 # A class-major buffer (hosted in grad_weight) takes the same programs: of five measured on 4096 x
@@ -325,16 +327,23 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
 # 32 x 8 1.02, 64 x 16 1.44; benchmarks/results/hosted/v29b/), 216 registers and no stack offline.
 def gradient_rows(cfg, entropy_grad: bool) -> int:
     """Rows of a ``softmax_gradient_kernel`` program, and of its bias partial sums (``dbias``): the
-    sweep's row block, a quarter of it with the entropy gradient (each program keeps a tile of the
-    sweep's vocabulary width, so each row still has one tile max per tile)."""
+    sweep's row block, a quarter of it with the entropy gradient."""
     return max(1, cfg.block_n // 4) if entropy_grad else cfg.block_n
 
 
+def gradient_cols(cfg) -> int:
+    """Vocabulary columns of a ``softmax_gradient_kernel`` program: the sweep's tile width up to 128,
+    a divisor of it, so that each program's columns lie in one sweep tile (one tile max a row)."""
+    cols = min(cfg.block_v, 128)
+    assert cfg.block_v % cols == 0, cfg
+    return cols
+
+
 def gradient_warps(cfg, entropy_grad: bool) -> int:
-    """Warps of a ``softmax_gradient_kernel`` program: the sweep's, 8 with the entropy gradient."""
+    """Warps of a ``softmax_gradient_kernel`` program: 4, 8 with the entropy gradient."""
     if device.interpreted():
         return 1
-    return 8 if entropy_grad else cfg.num_warps
+    return 8 if entropy_grad else 4
 
 
 @triton.jit
@@ -365,9 +374,11 @@ def softmax_gradient_kernel(
     BIAS_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    STATS_V: tl.constexpr,  # the sweep's tile width, a multiple of BLOCK_V: tile_max's granularity
     BF16_EMULATION: tl.constexpr,
 ):
-    """Grid (cdiv(R, BLOCK_N), cdiv(V, BLOCK_V)): the sweep's own tiles, so one m_tile per row.
+    """Grid (cdiv(R, BLOCK_N), cdiv(V, BLOCK_V)): each program's columns lie in one of the sweep's
+    tiles, so one m_tile per row.
     Memory-bound: reads and writes the chunk once. No atomics.
 
     ENTROPY_GRAD (per-token outputs, never with a softcap, whose derivative ``e`` then carries): the
@@ -388,7 +399,7 @@ def softmax_gradient_kernel(
     # on the H200: 3.0 against 0.63 ms for 4096 x 128256 bf16, NOTES v29).
     offsets = local_n[:, None] * stride_e + offs_v[None, :] * stride_ev
     e = tl.load(e_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m_tile = tl.load(tile_max_ptr + pid_v.to(tl.int64) * R + local)
+    m_tile = tl.load(tile_max_ptr + (pid_v // (STATS_V // BLOCK_V)).to(tl.int64) * R + local)
     row_max = tl.load(lse_ptr + rows)
     log_sum = tl.load(lse_ptr + N + rows)
     coef_a = tl.load(coef_ptr + local)

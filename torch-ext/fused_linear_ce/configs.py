@@ -87,11 +87,15 @@ _GPU_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=8, num_war
 _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_warps=4, num_stages=3, resident=2,
                              tma=False)
 # The chunked path's sweep, one tile a program in a 1-D grid grouped by group_m row blocks (a wave
-# shares fewer rows and weight tiles): 128 x 128 tiles with one warpgroup, 3 stages (128 KB of shared
-# memory with the descriptor store's buffer: one program per SM), groups of 16. H200, bf16, chunked
-# path in one chunk, interleaved medians: S1 42.4 ms fwd+bwd against 44.4 for 256 x 128 tiles with
-# 8 warps, S2 50.5 against 51.3, S3 52.0 against 54.0.
-_GPU_CHUNKED_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=4, num_stages=3)
+# shares fewer rows and weight tiles): 128 x 256 tiles with two warpgroups, 3 stages (208 KB of
+# shared memory with the descriptor store's 64 KB buffer: one program per SM), groups of 16. Its
+# gradient kernel keeps 128-column programs (``chunked.gradient_cols``). H200, bf16, the chunked path
+# in one chunk, 3 interleaved rounds against torch.compile (benchmarks/results/flat/run2.json,
+# random / peaked): S1 0.988x / 1.004x against 1.036x / 1.036x for v13's 128 x 128 tiles with one
+# warpgroup, S2 0.993x / 0.993x against 1.031x / 1.007x, S3 1.007x / 0.995x against 1.035x /
+# 1.015x; the sweep alone 13.66 / 16.20 / 17.52 ms against 14.55 / 16.91 / 17.83. (v13 measured the
+# 128 x 128 tiles faster than 256 x 128 ones while the gradient kernel took the sweep's tiles.)
+_GPU_CHUNKED_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
 # The recompute backward's dlogits kernel (one tile a program; its tiles also cut the backward plan):
 # the sweep's. 128 x 128 tiles with 4 warps (two programs per SM), 4 stages, 128-wide H steps were all
 # slower (H200, S1-S3 at 64 MiB: +0.5 to +3.7 ms fwd+bwd).
@@ -170,12 +174,11 @@ def candidates(role: str, dtype: torch.dtype, h: int | None = None) -> tuple[Til
         return (base, replace(base, block_v=base.block_v // 2), replace(base, block_n=2 * base.block_n))
     if dtype == torch.float32:
         return (base,)
-    wide = dict(block_n=128, block_v=256, num_warps=8, num_stages=3, resident=1)
     square = dict(block_n=128, block_v=128, num_warps=4, num_stages=3, resident=1)
     variants = {
         "sweep": (dict(num_stages=4), dict(block_n=256, block_v=128), dict(square, resident=2),
                   dict(block_n=64, num_warps=4)),
-        "chunked": (dict(num_stages=4), dict(block_n=256, block_v=128, num_warps=8), dict(wide),
+        "chunked": (dict(square), dict(square, num_stages=4), dict(block_n=256, block_v=128, num_warps=8),
                     dict(group_m=32)),
         "dlogits": (dict(num_stages=4), dict(square), dict(block_v=128)),
     }[role]
