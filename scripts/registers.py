@@ -62,6 +62,7 @@ def cases() -> list[Case]:
     from fused_linear_ce import configs
 
     sweep, chunked, mm = configs._GPU_SWEEP, configs._GPU_CHUNKED_SWEEP, configs._GPU_MATMUL
+    small = configs._GPU_CHUNKED_SWEEP_SMALL_H
     pr = configs._GPU_MATMUL_PAIRED_ROWS
     dlogits = configs._GPU_DLOGITS
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
@@ -125,6 +126,11 @@ def cases() -> list[Case]:
                   STORE_E=True, E_TMA=True, E_T=True, GROUP_M=chunked.group_m),
              dict(chunk_descs, e_desc=(chunked.block_v, chunked.block_n)), chunked.num_warps, chunked.num_stages,
              unit_strides=("stride_e",)),
+        Case("chunked sweep, H <= 1024", "lse_sweep_kernel", "sweep",
+             dict(forward, BLOCK_N=small.block_n, BLOCK_V=small.block_v, BLOCK_H=small.block_h, EVEN_V=False,
+                  STORE_E=True, E_TMA=True, GROUP_M=small.group_m),
+             dict(hidden_desc=(small.block_n, small.block_h), weight_desc=(small.block_v, small.block_h),
+                  e_desc=(small.block_n, small.block_v)), small.num_warps, small.num_stages),
         Case("chunked sweep, metrics", "lse_sweep_kernel", "sweep",
              dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
                   STORE_E=True, E_TMA=True, METRICS=True, GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps,

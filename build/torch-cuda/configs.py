@@ -96,6 +96,11 @@ _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_
 # 1.015x; the sweep alone 13.66 / 16.20 / 17.52 ms against 14.55 / 16.91 / 17.83. (v13 measured the
 # 128 x 128 tiles faster than 256 x 128 ones while the gradient kernel took the sweep's tiles.)
 _GPU_CHUNKED_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
+# Up to H = 1024 the 128 x 128 tiles with one warpgroup (3 stages, 128 KB: one program per SM): at
+# H = 896 and 640 (v14's autotuning, the whole chunked forward) the 128 x 256 tiles took 14% longer,
+# though with the gradient kernel then on the same tiles; not re-measured since its programs kept
+# 128 columns (NOTES v32), so this bucket keeps what was measured there.
+_GPU_CHUNKED_SWEEP_SMALL_H = TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=4, num_stages=3)
 # The recompute backward's dlogits kernel (one tile a program; its tiles also cut the backward plan):
 # the sweep's. 128 x 128 tiles with 4 warps (two programs per SM), 4 stages, 128-wide H steps were all
 # slower (H200, S1-S3 at 64 MiB: +0.5 to +3.7 ms fwd+bwd).
@@ -126,11 +131,13 @@ _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, n
 # (largest H of the bucket or None for the rest, the name of the config in this module) in ascending
 # H. The bucket is the hidden size: H is the length of each tile's product loop, against which the
 # tile's softmax epilogue is a fixed cost. Names, not objects, so that experiments patch the
-# module's configs. One bucket so far: the H200 at H = 640 to 4096 gave no second one that held up
-# side by side; ``autotune`` tunes for the exact shape where that matters.
+# module's configs. The sweep's and the dlogits kernel's one bucket: the H200 at H = 640 to 4096
+# gave no second one that held up side by side. The chunked sweep's two: 128 x 256 tiles measured
+# best at H = 2048, 2304 and 4096 (NOTES v32), 128 x 128 kept up to H = 1024 (v14). ``autotune`` tunes
+# for the exact shape where that matters.
 _TUNED = {
     "sweep": ((None, "_GPU_SWEEP"),),
-    "chunked": ((None, "_GPU_CHUNKED_SWEEP"),),
+    "chunked": ((1024, "_GPU_CHUNKED_SWEEP_SMALL_H"), (None, "_GPU_CHUNKED_SWEEP")),
     "dlogits": ((None, "_GPU_DLOGITS"),),
 }
 ROLES = tuple(_TUNED)
@@ -175,10 +182,11 @@ def candidates(role: str, dtype: torch.dtype, h: int | None = None) -> tuple[Til
     if dtype == torch.float32:
         return (base,)
     square = dict(block_n=128, block_v=128, num_warps=4, num_stages=3, resident=1)
+    wide = dict(block_n=128, block_v=256, num_warps=8, num_stages=3, resident=1)
     variants = {
         "sweep": (dict(num_stages=4), dict(block_n=256, block_v=128), dict(square, resident=2),
                   dict(block_n=64, num_warps=4)),
-        "chunked": (dict(square), dict(square, num_stages=4), dict(block_n=256, block_v=128, num_warps=8),
+        "chunked": (dict(square), dict(wide), dict(square, num_stages=4), dict(block_n=256, block_v=128, num_warps=8),
                     dict(group_m=32)),
         "dlogits": (dict(num_stages=4), dict(square), dict(block_v=128)),
     }[role]

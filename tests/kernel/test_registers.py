@@ -42,7 +42,8 @@ skipping ignored blocks: held at 0. Specialised to a V that is a multiple of its
 spilled 240 bytes in its consumers; its last tile's mask in a uniform branch at every V took that to 0.
 
 Since v32 the chunked sweep runs 128 x 256 tiles with 8 warps (faster in whole steps at S1-S3 with
-these spills, NOTES v32): 72 bytes (8 at 128 x 128), class-major 40, with the metrics 0, held there;
+these spills, NOTES v32): 72 bytes (8 at 128 x 128, the tiles kept up to H = 1024: held there),
+class-major 40, with the metrics 0, held there;
 with a softcap and a bias 824 (1088 at 128 x 128, not reported before), held there. The registers
 case also lists E_T now: unlisted, it compiled as a runtime argument, both store branches in one
 kernel."""
@@ -59,7 +60,8 @@ import triton
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HELD = {"sweep": 0, "sweep, ragged V": 0, "sweep, metrics": 0, "dlogits": 0, "chunked sweep": 72,
-        "chunked sweep, class-major": 40, "chunked sweep, metrics": 0, "chunked sweep, softcap and bias": 824, "chunked gradient, class-major": 0,
+        "chunked sweep, class-major": 40, "chunked sweep, metrics": 0, "chunked sweep, softcap and bias": 824,
+        "chunked sweep, H <= 1024": 8, "chunked gradient, class-major": 0,
         "chunked gradient, class-major, bias gradient": 0,
         "dlogits, bias gradient": 0, "matmul, da^T, compensated": 0, "matmul, compensated int8": 0, "matmul, da^T, compensated int8": 0,
         "matmul, da^T, compensated 4-bit": 0,
