@@ -49,6 +49,17 @@ def timed(fn, rep=100):
     return (time.perf_counter() - t0) * 1e3
 
 
+def against_compile(prefix, times, label_width=12):
+    """One row per method of interleaved rounds (``times``: label -> ms per round, with a "compile"
+    entry): "prefix label  ms ms ...  best / torch.compile's best", printed and returned."""
+    base = min(times["compile"])
+    rows = []
+    for label, ts in times.items():
+        rows.append(f"{prefix} {label:{label_width}s} " + " ".join(f"{t:7.2f}" for t in ts) + f"  {min(ts) / base:6.3f}x")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def liger_loss(targets):
     """Liger's fused loss as ``(hidden, weight) -> loss`` for ``targets``, or None when not installed
     (an optional oracle)."""

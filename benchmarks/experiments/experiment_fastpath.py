@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fused_linear_ce  # noqa: E402
 from bench import WHOLE, make_data  # noqa: E402
-from experiment_common import kernel_sequence, parse_args, reference, timed  # noqa: E402
+from experiment_common import against_compile, kernel_sequence, parse_args, reference, timed  # noqa: E402
 from fused_linear_ce import configs, products  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
@@ -181,11 +181,7 @@ def main():
                     finally:
                         undo()
             rec["steps"][dist] = dict(times)
-            base = min(times["compile"])
-            for label, ts in times.items():
-                row = f"{name} {dist:7s} {label:12s} " + " ".join(f"{t:7.2f}" for t in ts) + f"  {min(ts) / base:6.3f}x"
-                table.append(row)
-                print(row, flush=True)
+            table += against_compile(f"{name} {dist:7s}", times)
             del hidden, weight, targets
             torch.cuda.empty_cache()
         (out / "experiment_fastpath.json").write_text(json.dumps(result, indent=1))

@@ -231,11 +231,32 @@ def ws_child(name):
     print(json.dumps(dict(same=same["s3-ws"], ms=ms)))
 
 
+def _rounds(rounds, entries, rep, timed):
+    """Interleaved rounds: per round, each entry (label -> (step, patch or None; a patch returns its
+    undo)) timed in turn. Returns label -> ms per round."""
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for label, (step, patch) in entries.items():
+            undo = patch() if patch is not None else (lambda: None)
+            try:
+                times[label].append(timed(step, rep))
+            finally:
+                undo()
+    return dict(times)
+
+
+def _flat_patch(real, stages):
+    """Run 1: the standalone kernel at ``stages`` in place of ``sweep._triton_sweep``; returns the undo."""
+    FLAT.update(stages=stages)
+    sweep._triton_sweep = _patched_triton_sweep(real)
+    return lambda: setattr(sweep, "_triton_sweep", real)
+
+
 def run1(args):
     """Run 1: the standalone kernel (``flat_sweep_kernel`` above) in the kernels-alone table and
     patched into whole steps at the shipped 128 x 128 tiles."""
     from bench import WHOLE, make_data
-    from experiment_common import timed
+    from experiment_common import against_compile, timed
     from experiment_fastpath import stepper, torch_ce
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,23 +282,11 @@ def run1(args):
                     print(f"{name} {key:34s} {ms if isinstance(ms, dict) else f'{ms:8.3f} ms'}", flush=True)
                     table.append(f"{name} kernel {key:34s} {ms if isinstance(ms, dict) else f'{ms:8.3f}'}")
             steps = {"ours": stepper(ours, hidden, weight, targets), "compile": stepper(compiled, hidden, weight, targets)}
-            times = collections.defaultdict(list)
-            for _ in range(args.rounds):
-                for label, step in steps.items():
-                    times[label].append(timed(step, args.rep))
-                for stages in (3, 4):
-                    FLAT.update(stages=stages)
-                    sweep._triton_sweep = _patched_triton_sweep(real)
-                    try:
-                        times[f"flat-s{stages}"].append(timed(steps["ours"], args.rep))
-                    finally:
-                        sweep._triton_sweep = real
-            rec.setdefault("steps", {})[dist] = dict(times)
-            base = min(times["compile"])
-            for label, ts in times.items():
-                row = f"{name} {dist:7s} {label:10s} " + " ".join(f"{t:7.2f}" for t in ts) + f"  {min(ts) / base:6.3f}x"
-                table.append(row)
-                print(row, flush=True)
+            entries = {label: (step, None) for label, step in steps.items()}
+            entries.update({f"flat-s{st}": (steps["ours"], partial(_flat_patch, real, st)) for st in (3, 4)})
+            times = _rounds(args.rounds, entries, args.rep, timed)
+            rec.setdefault("steps", {})[dist] = times
+            table += against_compile(f"{name} {dist:7s}", times, 10)
             del hidden, weight, targets
             torch.cuda.empty_cache()
         (out / "experiment_flat_sweep.json").write_text(json.dumps(result, indent=1))
@@ -319,7 +328,7 @@ def _ignored_half(targets, run=512):
 
 def run2(args):
     from bench import WHOLE, make_data
-    from experiment_common import reference, timed
+    from experiment_common import against_compile, reference, timed
     from experiment_fastpath import stepper, torch_ce
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -364,21 +373,11 @@ def run2(args):
                     table.append(row)
                 del ref_dx, ref_dw
             step = stepper(ours, hidden, weight, targets)
-            times = collections.defaultdict(list)
-            for _ in range(args.rounds):
-                times["compile"].append(timed(stepper(compiled, hidden, weight, targets), args.rep))
-                for label in labels:
-                    undo = _use(label, cfgs)
-                    try:
-                        times[label].append(timed(step, args.rep))
-                    finally:
-                        undo()
-            rec["steps"][dist] = dict(times)
-            base = min(times["compile"])
-            for label, ts in times.items():
-                row = f"{name} {dist:20s} {label:15s} " + " ".join(f"{t:7.2f}" for t in ts) + f"  {min(ts) / base:6.3f}x"
-                table.append(row)
-                print(row, flush=True)
+            entries = {"compile": (stepper(compiled, hidden, weight, targets), None)}
+            entries.update({label: (step, partial(_use, label, cfgs)) for label in labels})
+            times = _rounds(args.rounds, entries, args.rep, timed)
+            rec["steps"][dist] = times
+            table += against_compile(f"{name} {dist:20s}", times, 15)
             del hidden, weight, targets
             torch.cuda.empty_cache()
         (out / "experiment_flat_sweep.json").write_text(json.dumps(result, indent=1))
