@@ -214,8 +214,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         e = head_buffer(grad_weight, dtype, r) if in_head else buffer[:r]
         # The per-tile statistics (2 x T x R fp32 for the loss, T = V / 256 tiles: 16 MiB at S4's
         # 4096-row chunk) in the memory of the chunk's rows of grad_hidden where they fit (T <= H / 4
-        # for bf16): its product
-        # writes them only after the gradient kernel has read the statistics.
+        # for bf16): its product writes them only after the gradient kernel has read the statistics.
         scratch = dx_acc[sl] if need_dx else None
         stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg,
                                         scratch)
