@@ -74,8 +74,6 @@ def cases() -> list[Case]:
     backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v,
                     BLOCK_H=dlogits.block_h, GROUP_M=dlogits.group_m)
     dlogits_descs = dict(hidden_desc=(dlogits.block_n, dlogits.block_h), weight_desc=(dlogits.block_v, dlogits.block_h))
-    chunk_descs = dict(hidden_desc=(chunked.block_n, chunked.block_h), weight_desc=(chunked.block_v, chunked.block_h),
-                       e_desc=(chunked.block_n, chunked.block_v))
     matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
                   GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
                   INPUT_PRECISION="tf32", TMA=True, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma, SPLIT_PAIR=False,
@@ -109,6 +107,17 @@ def cases() -> list[Case]:
                          STATS_V=chunked.block_v, BF16_EMULATION=False),
                     {}, warps, 1, unit_strides=("stride_e",) if class_major else ("stride_ev",))
 
+    def chunked_sweep(name, cfg=chunked, **extra):
+        """The chunked path's sweep (STORE_E, its exponentials through a descriptor, over the buffer's
+        transpose with E_T) at ``cfg``'s tiles on a ragged V, as ``sweep._triton_sweep`` launches it."""
+        e_block = (cfg.block_v, cfg.block_n) if extra.get("E_T") else (cfg.block_n, cfg.block_v)
+        return Case(name, "lse_sweep_kernel", "sweep",
+                    dict(forward, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_V=False,
+                         STORE_E=True, E_TMA=True, GROUP_M=cfg.group_m, **extra),
+                    dict(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h),
+                         e_desc=e_block), cfg.num_warps, cfg.num_stages,
+                    unit_strides=("stride_e",) if extra.get("E_T") else ("stride_ev",))
+
     return [
         Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
         Case("sweep, ragged V", "lse_sweep_kernel", "sweep", dict(forward, EVEN_V=False), descs,
@@ -117,28 +126,11 @@ def cases() -> list[Case]:
              sweep.num_warps, sweep.num_stages),
         Case("sweep, metrics, ragged V", "lse_sweep_kernel", "sweep",
              dict(forward, METRICS=True, EVEN_V=False), descs, sweep.num_warps, sweep.num_stages),
-        Case("chunked sweep", "lse_sweep_kernel", "sweep",
-             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
-                  STORE_E=True, E_TMA=True,
-                  GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps, chunked.num_stages),
-        Case("chunked sweep, class-major", "lse_sweep_kernel", "sweep",
-             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
-                  STORE_E=True, E_TMA=True, E_T=True, GROUP_M=chunked.group_m),
-             dict(chunk_descs, e_desc=(chunked.block_v, chunked.block_n)), chunked.num_warps, chunked.num_stages,
-             unit_strides=("stride_e",)),
-        Case("chunked sweep, H <= 1024", "lse_sweep_kernel", "sweep",
-             dict(forward, BLOCK_N=small.block_n, BLOCK_V=small.block_v, BLOCK_H=small.block_h, EVEN_V=False,
-                  STORE_E=True, E_TMA=True, GROUP_M=small.group_m),
-             dict(hidden_desc=(small.block_n, small.block_h), weight_desc=(small.block_v, small.block_h),
-                  e_desc=(small.block_n, small.block_v)), small.num_warps, small.num_stages),
-        Case("chunked sweep, metrics", "lse_sweep_kernel", "sweep",
-             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
-                  STORE_E=True, E_TMA=True, METRICS=True, GROUP_M=chunked.group_m), chunk_descs, chunked.num_warps,
-             chunked.num_stages),
-        Case("chunked sweep, softcap and bias", "lse_sweep_kernel", "sweep",
-             dict(forward, BLOCK_N=chunked.block_n, BLOCK_V=chunked.block_v, BLOCK_H=chunked.block_h, EVEN_V=False,
-                  STORE_E=True, E_TMA=True, HAS_SOFTCAP=True, HAS_BIAS=True, GROUP_M=chunked.group_m), chunk_descs,
-             chunked.num_warps, chunked.num_stages),
+        chunked_sweep("chunked sweep"),
+        chunked_sweep("chunked sweep, class-major", E_T=True),
+        chunked_sweep("chunked sweep, H <= 1024", cfg=small),
+        chunked_sweep("chunked sweep, metrics", METRICS=True),
+        chunked_sweep("chunked sweep, softcap and bias", HAS_SOFTCAP=True, HAS_BIAS=True),
         Case("sweep, every per-token field", "lse_sweep_kernel", "sweep",
              dict(forward, METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False), descs,
              sweep.num_warps, sweep.num_stages),
