@@ -26,7 +26,7 @@ def rel(a, b):
 
 def problem(n, h, v, dev="cuda"):
     """bf16 hidden, weight and targets with logits of std ~2, seed 0 (shared with
-    ``experiment_chunked.py``)."""
+    ``experiments/experiment_ignored.py``)."""
     torch.manual_seed(0)
     hidden = (torch.randn(n, h, device=dev) * 0.5).bfloat16()
     weight = (torch.randn(v, h, device=dev) * (4.0 / h) ** 0.5).bfloat16()

@@ -1,7 +1,6 @@
-"""What the one-call experiment scripts share: the fp32 reference, one variant's errors / time /
-extra memory, and per-kernel times of one step. Inputs and the error measure are ``tune.py``'s."""
+"""What the one-call experiment scripts share: the fp32 reference, the command line, do_bench
+medians and interleaved rounds, Liger as a peer, and per-kernel times of one step."""
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,8 +11,6 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tune.py, bench.py
 from fused_linear_ce.reference import chunked_linear_cross_entropy  # noqa: E402
-
-from tune import problem, rel  # noqa: E402
 
 MiB = 1 << 20
 
@@ -87,103 +84,6 @@ def make_step(hidden, weight):
         return loss, hd.grad, wd.grad
 
     return step
-
-
-def problems(shapes, names):
-    """Per shape name: (name, (hidden, weight, targets, ref, grads_bytes, step, liger)), the bf16
-    problem of tune.py on the GPU with its fp32 reference, ``make_step`` and ``liger_loss``."""
-    for name in names:
-        hidden, weight, targets = problem(*shapes[name])
-        grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-        yield name, (hidden, weight, targets, reference(hidden, weight, targets), grads_bytes,
-                     make_step(hidden, weight), liger_loss(targets))
-
-
-def measure(step, fn, ref, grads_bytes):
-    """Errors against ``ref``, the do_bench median of ``step(fn)`` (forward + backward) and its peak
-    allocation above what was allocated before it and the gradients' own bytes (MiB)."""
-    ref_loss, ref_dx, ref_dw = ref
-    loss, dx, dw = step(fn)
-    out = dict(dx=rel(dx, ref_dx), dw=rel(dw, ref_dw), loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-    del loss, dx, dw
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step(fn)
-    out["extra_mib"] = (torch.cuda.max_memory_allocated() - base - grads_bytes) / MiB
-    out["ms"] = triton.testing.do_bench(lambda: step(fn), warmup=3, rep=40)
-    return out
-
-
-def measured_row(step, fn, ref, grads_bytes, **labels):
-    """``labels`` with ``measure``'s figures, or with the error when the variant fails (a row, not a
-    crash)."""
-    try:
-        return dict(labels, **measure(step, fn, ref, grads_bytes))
-    except Exception as exc:
-        return dict(labels, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-
-
-def package_eval(hidden, weight, targets):
-    """The package's evaluation forward (no grad, per-row losses) as a closure."""
-    from fused_linear_ce import fused_linear_cross_entropy
-
-    def run():
-        with torch.no_grad():
-            return fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
-
-    return run
-
-
-def probe(script, shape, variant):
-    """Builds and runs one variant of ``script`` in a child process (``answer_probe`` there); True
-    when it exits cleanly, so that a compiler abort does not end the whole run."""
-    rc = subprocess.run([sys.executable, script, "--probe", shape, variant], timeout=300).returncode
-    print(f"  probe {variant}: rc {rc}", flush=True)
-    return rc == 0
-
-
-def answer_probe(shapes, specs, runner) -> bool:
-    """In a ``probe`` child (``--probe SHAPE VARIANT`` on the command line): builds the variant with
-    ``runner(hidden, weight, targets, **specs[VARIANT])`` on ``problem(*shapes[SHAPE])`` and runs it
-    once. True when this process is such a child."""
-    if sys.argv[1:2] != ["--probe"]:
-        return False
-    shape, variant = sys.argv[2:4]
-    hidden, weight, targets = problem(*shapes[shape])
-    run, _ = runner(hidden, weight, targets, **specs[variant])
-    run()
-    torch.cuda.synchronize()
-    return True
-
-
-def checked_variants(script, shape, specs, runner, hidden, weight, targets, ref, probed):
-    """Builds each of ``specs`` with ``runner(hidden, weight, targets, **spec)``, runs it once and
-    checks its per-row losses against ``ref`` (the package's) to 1e-5 of the largest; those for
-    which ``probed(name, spec)`` holds are first built in a child process (``probe``). Returns
-    ({name: (run, dict(info, err=...))}, {name: error}): a variant that fails is a result."""
-    import traceback
-
-    variants, errors = {}, {}
-    for name, spec in specs.items():
-        if probed(name, spec) and not probe(script, shape, name):
-            errors[name] = "build or first run failed in a subprocess (log above)"
-            continue
-        try:
-            run, info = runner(hidden, weight, targets, **spec)
-            out = run()
-            torch.cuda.synchronize()
-            err = ((out - ref).abs().max() / ref.abs().max()).item()
-            if not err < 1e-5:
-                raise AssertionError(f"loss differs from the package's: {err:.1e}")
-            variants[name] = (run, dict(info, err=err))
-            print(f"  {shape} {name}: ok {info} err {err:.1e}", flush=True)
-        except Exception as exc:
-            errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            print(f"  {shape} {name}: FAILED {errors[name]}", flush=True)
-            traceback.print_exc(limit=2)
-    return variants, errors
 
 
 def interleaved(runs, rounds=3, rep=60):

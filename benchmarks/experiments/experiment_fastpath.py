@@ -9,9 +9,10 @@ torch.compile does not, at S1-S3. One GPU call.
 - Whole steps side by side (interleaved rounds): ours, torch.compile, ``--variants`` patched into
   the package (``VARIANTS``), and with ``--base`` another copy of the package (ab.py's).
 
-Run 1 had ``results/fastpath/gluon_store_e.patch`` applied (its ``gluon-e`` variant: the chunked
-sweep as the Hopper ping-pong kernel); run 2 is v31 (split K, the in-place factor of 1) against the
-package before it:
+Run 1 had ``gluon_store_e.patch`` applied (its ``gluon-e`` variant: the chunked sweep as the Hopper
+ping-pong kernel; the patch is at commit 3502f5a,
+``git show 3502f5a:benchmarks/results/fastpath/gluon_store_e.patch``); run 2 is v31 (split K, the
+in-place factor of 1) against the package before it:
 
     python3 benchmarks/experiments/experiment_fastpath.py --out $OUT/fastpath
     python3 benchmarks/experiments/experiment_fastpath.py --variants no-split --base .ab/head/fused_linear_ce --rounds 3
@@ -62,7 +63,7 @@ def _no_split():
 
 
 def _gluon_e():
-    """Run 1 only (``results/fastpath/gluon_store_e.patch`` applied): the chunked sweep as the Hopper
+    """Run 1 only (``gluon_store_e.patch`` applied, at commit 3502f5a): the chunked sweep as the Hopper
     ping-pong kernel (STORE_E) at every H (its bucket opened)."""
     real = configs._GPU_PINGPONG
     configs._GPU_PINGPONG = replace(real, max_h_e=1 << 20)

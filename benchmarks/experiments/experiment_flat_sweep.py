@@ -12,11 +12,12 @@ plain loss only, row-major exponentials through a descriptor, what the fast path
 - Whole fast-path steps side by side (interleaved rounds): ours, ours with the flat sweep patched
   into ``sweep._triton_sweep`` at the shipped 128 x 128 tiles, torch.compile.
 
-Run 2 (default, ``results/flat/run2.*``, with ``results/flat/flat_sweep.patch`` applied: the
-package's own persistent sweep, ``flat_sweep.py``, since removed) under each chunked-sweep config (``_configs``: the 128 x 128 one-tile grid, the same grid at
-128 x 256 with 8 warps, the persistent kernel at 128 x 256 with and without its compaction of
-ignored row blocks): errors against the fp32 reference, the sweep alone, whole steps interleaved
-with torch.compile, and at the first shape a batch whose every other 512 rows are ignored.
+Run 2 (default, ``results/flat/run2.*``, with ``flat_sweep.patch`` applied, at commit 3502f5a: the
+package's own persistent sweep, ``flat_sweep.py``, since removed) under each chunked-sweep config
+(``_configs``: the 128 x 128 one-tile grid, the same grid at 128 x 256 with 8 warps, the persistent
+kernel at 128 x 256 with and without its compaction of ignored row blocks): errors against the fp32
+reference, the sweep alone, whole steps interleaved with torch.compile, and at the first shape a batch
+whose every other 512 rows are ignored.
 
     python3 benchmarks/experiments/experiment_flat_sweep.py --out $OUT/flat [--run 1]
 
@@ -295,7 +296,7 @@ def run1(args):
 
 # Run 2: the package's chunked sweep under each tile config (``configs._GPU_CHUNKED_SWEEP`` patched):
 # the 128 x 128 one-tile grid (v13), the same grid at 128 x 256 w8 (shipped since), and with
-# ``results/flat/flat_sweep.patch`` applied (run 2 was on it) the persistent flattened kernel
+# ``flat_sweep.patch`` applied (run 2 was on it; at commit 3502f5a) the persistent flattened kernel
 # (``flat_sweep``) at 128 x 256 w8, with its compaction of ignored row blocks and without.
 def _configs():
     wide = configs.TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)

@@ -1,15 +1,15 @@
 """The Triton matmul's tile configuration per product (issue 22, targets 2 and 4), one GPU call.
 
-The package runs every product into a 16-bit gradient, and the compensated pairs, on one matmul
-config (128 x 256 x 64, 8 warps, 3 stages: one program per SM). At S4 with 960 MiB chunks the dW
-products into the bf16 + int8 pair took 134 ms against 93 ms for the same FLOPs as dX
-(``experiment_chunked_s4.py``): a K loop of 60 steps, then an epilogue that reads and writes 6 bytes
-an element and overlaps nothing, since no second program shares the SM. Prediction: a config whose
-programs fit two to an SM (128 x 128 tiles, 3 stages: 96 KB of operands) lets one program's
-epilogue run under the other's products, and closes most of the 41 ms; on the plain products it
-costs a little of the mainloop's rate. The result through a descriptor (``c_tma``) removes the
-epilogue's spills (below); it should matter most for the fp32 sum (an fp32 master weight's dW on
-the chunked path: 1696 bytes of stack in the shipped config).
+The package runs every product into a 16-bit gradient, and the compensated pairs, on one matmul config
+(128 x 256 x 64, 8 warps, 3 stages: one program per SM). At S4 with 960 MiB chunks the dW products into
+the bf16 + int8 pair took 134 ms against 93 ms for the same FLOPs as dX (``experiment_chunked_s4.py``,
+at commit 3502f5a): a K loop of 60 steps, then an epilogue that reads and writes 6 bytes an element and
+overlaps nothing, since no second program shares the SM. Prediction: a config whose programs fit two to
+an SM (128 x 128 tiles, 3 stages: 96 KB of operands) lets one program's epilogue run under the other's
+products, and closes most of the 41 ms; on the plain products it costs a little of the mainloop's rate.
+The result through a descriptor (``c_tma``) removes the epilogue's spills (below); it should matter most
+for the fp32 sum (an fp32 master weight's dW on the chunked path: 1696 bytes of stack in the shipped
+config).
 
 Each case is one product of the package's own shapes, run through ``products`` with
 ``configs.matmul_config`` patched to each candidate; cuBLAS (``torch.mm``, bf16 out) times the same
@@ -44,9 +44,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # tiles were the fastest or within 1% everywhere, two programs an SM (128 x 128) lost everywhere
 # but the paired plan's dX, and c_tma took the fp32 sum from 7.22 to 6.79 ms, the rest unchanged:
 # c_tma ships. Run 2 (``results/matmul/run2.json``) added a persistent grid (one program an SM
-# walking the tiles; flattened or warp-specialised tile loops) from ``results/matmul/
-# persistent_grid.patch`` (on commit a238e65): the pair and the fp32 sum do not fit 3 stages with
-# it (240-400 KB of shared memory), 2 stages lose more than the overlap gains; it was not kept.
+# walking the tiles; flattened or warp-specialised tile loops) from ``persistent_grid.patch`` (on
+# commit a238e65; the patch is at commit 3502f5a): the pair and the fp32 sum do not fit 3 stages
+# with it (240-400 KB of shared memory), 2 stages lose more than the overlap gains; not kept.
 SHIPPED = (128, 256, 64, 8, 8, 3)
 CANDIDATES = [
     (*SHIPPED, dict(c_tma=True)),

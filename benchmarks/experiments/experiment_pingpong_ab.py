@@ -2,11 +2,11 @@
 sweep, side by side in one process (``FUSED_LINEAR_CE_PINGPONG=0`` switches it off per call), at
 every H: where does the bucket end? One GPU call.
 
-Prediction (``experiment_gluon_sweep.py``, NOTES v23): at S3 (H = 2048) the plain forward drops
-from 1.20x to ~1.04x one matmul and the default loss step by the same ~2.5 ms; with metrics (the
-per-token SFT fields) it is ~3% slower. S1 / S2 measured slower there, but that kernel spilled 240
-bytes of registers whenever V was a multiple of its 256-column tiles (S1, S2; not S3), which the
-shipped kernel does not: measured again here with the bucket opened to every H.
+Prediction (``experiment_gluon_sweep.py``, at commit 3502f5a; NOTES v23): at S3 (H = 2048) the plain
+forward drops from 1.20x to ~1.04x one matmul and the default loss step by the same ~2.5 ms; with
+metrics (the per-token SFT fields) it is ~3% slower. S1 / S2 measured slower there, but that kernel
+spilled 240 bytes of registers whenever V was a multiple of its 256-column tiles (S1, S2; not S3), which
+the shipped kernel does not: measured again here with the bucket opened to every H.
 
     python3 benchmarks/experiments/experiment_pingpong_ab.py --out $OUT/pingpong_ab
 """
