@@ -38,7 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tune.py, bench.py
-from fused_linear_ce import configs, products  # noqa: E402
+from fused_linear_ce import configs, gemm, products  # noqa: E402
 from fused_linear_ce.logits import grouped_tile  # noqa: E402
 
 from experiment_common import (answer_probe, checked_variants, interleaved, median, package_eval,  # noqa: E402
@@ -195,7 +195,7 @@ def product_runners(da, hidden, g, out):
             return torch.mm(da.t(), hidden, out=out)
 
     return {
-        "ptr": lambda: (products.matmul(da.t(), hidden, out, False, g), out)[1],
+        "ptr": lambda: (gemm.matmul(da.t(), hidden, out, False, g), out)[1],
         "tma": tma(3),
         "tma-s4": tma(4),
         "cublas": cublas,

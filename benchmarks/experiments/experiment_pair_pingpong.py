@@ -30,7 +30,7 @@ from experiment_common import interleaved, median, pair_case  # noqa: E402  (put
 
 import gluon_pair  # noqa: E402
 import gluon_pair_prefetch  # noqa: E402
-from fused_linear_ce import products  # noqa: E402
+from fused_linear_ce import gemm  # noqa: E402
 
 
 def main():
@@ -52,7 +52,7 @@ def main():
         role = "paired_rows" if name == "paired-dX" else "product"
 
         def triton_pair():
-            products.matmul(a, b, hi, True, unscale, lo=lo, role=role)
+            gemm.matmul(a, b, hi, True, unscale, lo=lo, role=role)
 
         b_t = b.t().contiguous().t()  # b's values over its transpose's storage (K-major for wgmma)
 

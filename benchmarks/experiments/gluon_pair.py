@@ -1,7 +1,7 @@
 """Experiment (not shipped): the compensated pair's product on Hopper as a ping-pong kernel (Gluon),
 so that one tile's read, add and write of the pair runs while the other consumer's products use the
 tensor cores. NOTES v25 and ``experiment_pair_pingpong.py`` (which runs it) say what it measured: its
-pair holds ``products.matmul_kernel``'s bits, its product loop alone beats cuBLAS, and with the pair's
+pair holds ``gemm.matmul_kernel``'s bits, its product loop alone beats cuBLAS, and with the pair's
 epilogue it is slower than ``matmul_kernel`` at both of the pair's uses at long context.
 
 ``products.compensated`` sums a product into a pair, hi (16-bit) and lo (an int8 or bf16 remainder):
@@ -11,7 +11,7 @@ three partitions sharing its shared memory: a loader warp streaming the (a, b) K
 through a ring of STAGES buffers (TMA), and two consumer warpgroups taking the tiles in turn (a
 ``turn`` mbarrier pair orders their product loops), each running its tile's products (asynchronous
 wgmma) and then the pair's epilogue on the tile's four 64-column quarters in turn: the old pair in
-through TMA into the consumer's shared buffers, the arithmetic of ``products.pair_value`` /
+through TMA into the consumer's shared buffers, the arithmetic of ``pairs.pair_value`` /
 ``pair_of`` element for element, the new pair out through TMA. ``a`` is read through a descriptor
 over its own storage or over its transpose's (da^T: da's (K, M) blocks, transposed in shared memory);
 ``b`` row-major, or through its transpose's storage with ``b_transposed``. ``mainloop_only`` skips the
@@ -191,7 +191,7 @@ if HAVE_GLUON:
     def _pair_part(p, acc, C: gl.constexpr, phase, row0, col0):
         """The pair's epilogue on one (BLOCK_M, BLOCK_P // 4) part at (row0, col0), through consumer C's
         shared buffers and TMA (the old pair in, the new one out; nothing past the edges written): the
-        arithmetic of ``products.pair_value`` and ``pair_of``, element for element."""
+        arithmetic of ``pairs.pair_value`` and ``pair_of``, element for element."""
         layout: gl.constexpr = acc.type.layout
         hi_buf = p.hi_bufs.index(C)
         lo_buf = p.lo_bufs.index(C)

@@ -1,6 +1,6 @@
 """Experiment (not shipped): the second form of ``gluon_pair.py``'s ping-pong product into a compensated
 pair, with the old pair prefetched. NOTES v25 says what it measured: the whole S4 steps 5-6% slower
-than with ``products.matmul_kernel``'s pair, and with a bf16 remainder its buffers do not fit Hopper's
+than with ``gemm.matmul_kernel``'s pair, and with a bf16 remainder its buffers do not fit Hopper's
 shared memory (254 KB of 227); with an int8 remainder its pair held the Triton kernel's bits in the
 GPU tests that ran (``results/gluon_pair/run4_prefetch.log``).
 
@@ -13,7 +13,7 @@ its shared memory:
 - two consumer warpgroups taking the tiles in turn (a ``turn`` mbarrier pair orders their product
   loops): each runs its tile's products (asynchronous wgmma), then the epilogue on the four quarters
   in turn, reading the old pair from its buffers (there since the tile's products began), writing the
-  new pair back into them (the arithmetic of ``products.pair_value`` / ``pair_of``, element for
+  new pair back into them (the arithmetic of ``pairs.pair_value`` / ``pair_of``, element for
   element) and out through TMA.
 """
 
@@ -159,7 +159,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _pair_quarter(p, acc, hi_buf, lo_buf):
         """The new pair of one (BLOCK_M, BLOCK_P // 4) quarter into its buffers, from the old pair there:
-        the arithmetic of ``products.pair_value`` and ``pair_of``, element for element."""
+        the arithmetic of ``pairs.pair_value`` and ``pair_of``, element for element."""
         layout: gl.constexpr = acc.type.layout
         s = acc
         if p.ACCUMULATE:  # the old pair's value first (exact in fp32 but under 2^-24 of hi), then the product

@@ -2,7 +2,7 @@
 target 4: does the softmax epilogue overlap the next tile's products when two consumer warpgroups
 take turns on the tensor cores?
 
-One program: BLOCK_N rows x a contiguous range of vocabulary tiles (as ``sweep.lse_sweep_kernel``).
+One program: BLOCK_N rows x a contiguous range of vocabulary tiles (as ``sweep_kernels.lse_sweep_kernel``).
 Three partitions share the program's shared memory:
 
 - a loader (1 warp) streams (hidden, weight) K-steps of every tile, in tile order, through a ring
