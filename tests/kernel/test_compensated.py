@@ -436,14 +436,14 @@ def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
     spy = KernelSpy(gemm.matmul_kernel)
     monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b, start, unscale = _ragged_product(3)
-    pairs = []
+    results = []
     for role in ("product", "paired_rows"):
         hi = start.clone()
         lo = pairs.compensation_buffer(hi, torch.int8)
         products.compensated(a, b, hi, lo, True, unscale, role=role)
         products.compensated(a, b, hi, lo, True, unscale, role=role)
-        pairs.append((hi, lo))
-    assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        results.append((hi, lo))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     tiles = [(launch["BLOCK_M"], launch["BLOCK_P"], launch["C_TMA"]) for launch in spy.launches]
     want = configs.matmul_config(torch.bfloat16, role="paired_rows")
     assert tiles[2:] == [(want.block_m, want.block_p, True)] * 2
@@ -459,7 +459,7 @@ def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
     monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b, start, unscale = _ragged_product(4)
     shipped = configs.matmul_config(torch.bfloat16)
-    pairs = []
+    results = []
     for split in (False, True):
         cfg = dataclasses.replace(shipped, split_pair=split)
         monkeypatch.setattr(configs, "matmul_config", lambda dtype, role="product", cfg=cfg: cfg)
@@ -467,8 +467,8 @@ def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
         lo = pairs.compensation_buffer(hi, lo_dtype)
         products.compensated(a, b, hi, lo, False, unscale)
         products.compensated(a, b, hi, lo, True, unscale)
-        pairs.append((hi, lo))
-    assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        results.append((hi, lo))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert [(launch["C_TMA"], launch["SPLIT_PAIR"]) for launch in spy.launches] == [(True, False)] * 2 + [(True, True)] * 2
 
 
