@@ -84,11 +84,11 @@ def cases() -> list[Case]:
 
     def pair(name, cfg, A_T, lo_dtype="bf16"):
         """A product summed into a compensated pair (through descriptors) at ``cfg``, its epilogue on
-        column halves where ``cfg.split_pair`` says, as ``products.matmul`` launches it."""
+        column halves where ``cfg.split_pair`` says, as ``gemm.matmul`` launches it."""
         c_block = (cfg.block_m, cfg.block_p // 2 if cfg.split_pair else cfg.block_p)
         lo_block = (c_block[0], c_block[1] // 2) if lo_dtype == "u8" else c_block  # 4-bit: two a byte
         a_desc = (cfg.block_k, cfg.block_m) if A_T else (cfg.block_m, cfg.block_k)
-        return Case(name, "matmul_kernel", "products",
+        return Case(name, "matmul_kernel", "gemm",
                     dict(matmul, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                          A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=cfg.split_pair),
                     dict(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=lo_block),
@@ -111,7 +111,7 @@ def cases() -> list[Case]:
         """The chunked path's sweep (STORE_E, its exponentials through a descriptor, over the buffer's
         transpose with E_T) at ``cfg``'s tiles on a ragged V, as ``sweep._triton_sweep`` launches it."""
         e_block = (cfg.block_v, cfg.block_n) if extra.get("E_T") else (cfg.block_n, cfg.block_v)
-        return Case(name, "lse_sweep_kernel", "sweep",
+        return Case(name, "lse_sweep_kernel", "sweep_kernels",
                     dict(forward, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_V=False,
                          STORE_E=True, E_TMA=True, GROUP_M=cfg.group_m, **extra),
                     dict(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h),
@@ -119,19 +119,19 @@ def cases() -> list[Case]:
                     unit_strides=("stride_e",) if extra.get("E_T") else ("stride_ev",))
 
     return [
-        Case("sweep", "lse_sweep_kernel", "sweep", forward, descs, sweep.num_warps, sweep.num_stages),
-        Case("sweep, ragged V", "lse_sweep_kernel", "sweep", dict(forward, EVEN_V=False), descs,
+        Case("sweep", "lse_sweep_kernel", "sweep_kernels", forward, descs, sweep.num_warps, sweep.num_stages),
+        Case("sweep, ragged V", "lse_sweep_kernel", "sweep_kernels", dict(forward, EVEN_V=False), descs,
              sweep.num_warps, sweep.num_stages),
-        Case("sweep, metrics", "lse_sweep_kernel", "sweep", dict(forward, METRICS=True), descs,
+        Case("sweep, metrics", "lse_sweep_kernel", "sweep_kernels", dict(forward, METRICS=True), descs,
              sweep.num_warps, sweep.num_stages),
-        Case("sweep, metrics, ragged V", "lse_sweep_kernel", "sweep",
+        Case("sweep, metrics, ragged V", "lse_sweep_kernel", "sweep_kernels",
              dict(forward, METRICS=True, EVEN_V=False), descs, sweep.num_warps, sweep.num_stages),
         chunked_sweep("chunked sweep"),
         chunked_sweep("chunked sweep, class-major", E_T=True),
         chunked_sweep("chunked sweep, H <= 1024", cfg=small),
         chunked_sweep("chunked sweep, metrics", METRICS=True),
         chunked_sweep("chunked sweep, softcap and bias", HAS_SOFTCAP=True, HAS_BIAS=True),
-        Case("sweep, every per-token field", "lse_sweep_kernel", "sweep",
+        Case("sweep, every per-token field", "lse_sweep_kernel", "sweep_kernels",
              dict(forward, METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False), descs,
              sweep.num_warps, sweep.num_stages),
         Case("dlogits", "dlogits_kernel", "recompute", dict(backward, HAS_BIAS=False, BIAS_GRAD=False),
@@ -140,19 +140,19 @@ def cases() -> list[Case]:
              dict(backward, HAS_BIAS=True, BIAS_GRAD=True), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
         Case("dlogits, entropy gradient", "dlogits_kernel", "recompute", dict(backward, ENTROPY_GRAD=True,
              HAS_BIAS=False, BIAS_GRAD=False), dlogits_descs, dlogits.num_warps, dlogits.num_stages),
-        Case("matmul, da^T", "matmul_kernel", "products", dict(matmul, A_T=True),
+        Case("matmul, da^T", "matmul_kernel", "gemm", dict(matmul, A_T=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), **c_desc), mm.num_warps,
              mm.num_stages),
-        Case("matmul", "matmul_kernel", "products", dict(matmul, A_T=False),
+        Case("matmul", "matmul_kernel", "gemm", dict(matmul, A_T=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p), **c_desc), mm.num_warps,
              mm.num_stages),
-        Case("matmul, da^T, fp32 sum", "matmul_kernel", "products", dict(matmul, A_T=True, ACCUMULATE=True),
+        Case("matmul, da^T, fp32 sum", "matmul_kernel", "gemm", dict(matmul, A_T=True, ACCUMULATE=True),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p), **c_desc), mm.num_warps,
              mm.num_stages, c_dtype="*fp32"),
-        Case("matmul, pointers", "matmul_kernel", "products", dict(matmul, A_T=False, C_TMA=False),
+        Case("matmul, pointers", "matmul_kernel", "gemm", dict(matmul, A_T=False, C_TMA=False),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
-        # grad_hidden's K reduction in two halves added into fp32 by atomics (``products.split_k``)
-        Case("matmul, split K", "matmul_kernel", "products",
+        # grad_hidden's K reduction in two halves added into fp32 by atomics (``gemm.split_k``)
+        Case("matmul, split K", "matmul_kernel", "gemm",
              dict(matmul, A_T=False, C_TMA=True, HAS_SCALE=False, SPLIT_K=2),
              dict(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p),
                   c_desc=(mm.block_m, mm.block_p // 2)), mm.num_warps, mm.num_stages, c_dtype="*fp32"),
@@ -170,7 +170,7 @@ def cases() -> list[Case]:
         gradient("chunked gradient, entropy and bias gradients", entropy_grad=True, bias_grad=True),
         gradient("chunked gradient, entropy gradient, the sweep's rows", entropy_grad=True, bias_grad=False,
                  rows=chunked.block_n, warps=8),
-        Case("matmul, da^T, compensated, pointers", "matmul_kernel", "products",
+        Case("matmul, da^T, compensated, pointers", "matmul_kernel", "gemm",
              dict(matmul, A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
              dict(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p)), mm.num_warps, mm.num_stages),
     ]
@@ -208,7 +208,7 @@ def matmul_cases(spec: str) -> list[Case]:
             descs.update(c_desc=c_block)
         if extra.get("COMPENSATED"):
             descs.update(lo_desc=c_block)
-        out.append(Case(f"matmul {bm}x{bp}x{bk} w{warps} s{stages}, {use}", "matmul_kernel", "products",
+        out.append(Case(f"matmul {bm}x{bp}x{bk} w{warps} s{stages}, {use}", "matmul_kernel", "gemm",
                         dict(base, **extra), descs, warps, stages, c_dtype=c_dtype, lo_dtype=lo_dtype))
     return out
 

@@ -29,7 +29,7 @@ from experiment_common import timed  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from fused_linear_ce import chunked, configs, device, products  # noqa: E402
+from fused_linear_ce import chunked, configs, device, gemm, products  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -49,7 +49,7 @@ def dx_rows(args, h, v, record):
         waves = triton.cdiv(tiles, sms)
         for name, run in {
             "cublas-bf16": lambda: torch.mm(da, weight, out=out),
-            "triton": lambda: products.matmul(da, weight, out, False, unscale),
+            "triton": lambda: gemm.matmul(da, weight, out, False, unscale),
             "cublas-fp32-scale": lambda: products._fp32_then_scale(da, weight, out, unscale),
         }.items():
             run()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fused_linear_ce  # noqa: E402
 from bench import WHOLE, make_data  # noqa: E402
 from experiment_common import against_compile, kernel_sequence, parse_args, reference, timed  # noqa: E402
-from fused_linear_ce import configs, products  # noqa: E402
+from fused_linear_ce import configs, gemm  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
 WHOLE_KW = dict(strategy="chunked", chunk_bytes=WHOLE)
@@ -47,19 +47,19 @@ def torch_ce(h, w, t):
 
 def _dx_on_cublas():
     """The chunk's grad_hidden (da (R, V) @ weight (V, H)) by cuBLAS into fp32, then one scale."""
-    real = products.few_tiles
+    real = gemm.few_tiles
 
     def patched(a, b):
         return b.shape[0] == a.shape[1] and a.stride(1) == 1 and b.shape[0] > b.shape[1] or real(a, b)
-    products.few_tiles = patched
-    return lambda: setattr(products, "few_tiles", real)
+    gemm.few_tiles = patched
+    return lambda: setattr(gemm, "few_tiles", real)
 
 
 def _no_split():
     """v31's split K turned off: every product one program per output tile (as before v31)."""
-    real = products.split_k
-    products.split_k = lambda a, b: 1
-    return lambda: setattr(products, "split_k", real)
+    real = gemm.split_k
+    gemm.split_k = lambda a, b: 1
+    return lambda: setattr(gemm, "split_k", real)
 
 
 def _gluon_e():
@@ -121,10 +121,10 @@ def products_alone(hidden, weight, rep):
     dx32 = torch.empty(n, h, device="cuda", dtype=torch.float32)
     out["dX cuBLAS bf16"] = timed(lambda: torch.mm(da, weight, out=dx), rep)
     out["dX cuBLAS fp32"] = timed(lambda: torch.mm(da, weight, out=dx32, out_dtype=torch.float32), rep)
-    out["dX Triton"] = timed(lambda: products.matmul(da, weight, dx, False, unscale), rep)
+    out["dX Triton"] = timed(lambda: gemm.matmul(da, weight, dx, False, unscale), rep)
     dw = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
     out["dW cuBLAS bf16"] = timed(lambda: torch.mm(da.t(), hidden, out=dw), rep)
-    out["dW Triton"] = timed(lambda: products.matmul(da.t(), hidden, dw, False, unscale), rep)
+    out["dW Triton"] = timed(lambda: gemm.matmul(da.t(), hidden, dw, False, unscale), rep)
     return out
 
 

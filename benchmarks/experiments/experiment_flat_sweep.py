@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fused_linear_ce  # noqa: E402
-from fused_linear_ce import configs, device, products, sweep  # noqa: E402
+from fused_linear_ce import configs, device, gemm, sweep  # noqa: E402
 from fused_linear_ce.logits import grouped_tile, round_to  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
@@ -205,7 +205,7 @@ def kernels_alone(name, hidden, weight, targets, rep, timed):
     rows["flat 128x256 w8 s3"] = timed(lambda: flat_sweep(hidden, weight, targets, e, z, stats_w, wide, 3), rep)
     rows["cuBLAS logits bf16"] = timed(lambda: torch.mm(hidden, weight.t(), out=e), rep)
     one = torch.ones(1, device="cuda")
-    rows["Triton matmul logits bf16"] = timed(lambda: products.matmul(hidden, weight.t(), e, False, one), rep)
+    rows["Triton matmul logits bf16"] = timed(lambda: gemm.matmul(hidden, weight.t(), e, False, one), rep)
     return rows
 
 

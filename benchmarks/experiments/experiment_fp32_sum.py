@@ -32,7 +32,7 @@ from experiment_common import timed  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from fused_linear_ce import products  # noqa: E402
+from fused_linear_ce import pairs, products  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -46,7 +46,7 @@ def methods(da, x, unscale):
     acc = torch.zeros(v, h, device=DEVICE)
     lo_part, hi_part = acc[:half], torch.zeros(v - half, h, device=DEVICE)
     pair_hi = torch.zeros(v, h, dtype=torch.bfloat16, device=DEVICE)
-    pair_lo = products.compensation_buffer(pair_hi, torch.int8)
+    pair_lo = pairs.compensation_buffer(pair_hi, torch.int8)
     a = da.t()
     return {
         "cublas-bf16": (lambda: torch.mm(a, x, out=out16), out16, 1.0),

@@ -32,7 +32,7 @@ from experiment_common import timed  # noqa: E402
 
 import torch  # noqa: E402
 
-from fused_linear_ce import configs, products  # noqa: E402
+from fused_linear_ce import configs, gemm, pairs, products  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -83,7 +83,7 @@ def cases(scale):
     def chunk_dw_pair():
         da, x = randn(rows, v, s=1e-2), randn(rows, h)
         hi = torch.zeros(v, h, **bf)
-        lo = products.compensation_buffer(hi, torch.int8)
+        lo = pairs.compensation_buffer(hi, torch.int8)
         return (lambda: products.compensated(da.t(), x, hi, lo, True, unscale)), (hi, lo), 2 * v * h * rows, (da.t(), x)
 
     def chunk_dw_master():
@@ -94,18 +94,18 @@ def cases(scale):
     def chunk_dx():
         da, w = randn(rows, v, s=1e-2), randn(v, h)
         out = torch.empty(rows, h, **bf)
-        return (lambda: products.matmul(da, w, out, False, unscale)), (out,), 2 * rows * h * v, (da, w)
+        return (lambda: gemm.matmul(da, w, out, False, unscale)), (out,), 2 * rows * h * v, (da, w)
 
     def paired_dx():
         da, w = randn(n4, cols, s=1e-2), randn(cols, h)
         hi = torch.zeros(n4, h, **bf)
-        lo = products.compensation_buffer(hi, torch.int8)
+        lo = pairs.compensation_buffer(hi, torch.int8)
         return (lambda: products.compensated(da, w, hi, lo, True, unscale)), (hi, lo), 2 * n4 * h * cols, (da, w)
 
     def s1_dw():
         da, x = randn(n1, v, s=1e-2), randn(n1, h)
         out = torch.empty(v, h, **bf)
-        return (lambda: products.matmul(da.t(), x, out, False, unscale)), (out,), 2 * v * h * n1, (da.t(), x)
+        return (lambda: gemm.matmul(da.t(), x, out, False, unscale)), (out,), 2 * v * h * n1, (da.t(), x)
 
     return {"s4-chunk-dW-pair": chunk_dw_pair, "s4-chunk-dW-master": chunk_dw_master, "s4-chunk-dX": chunk_dx,
             "s4-paired-dX": paired_dx, "s1-chunked-dW": s1_dw}

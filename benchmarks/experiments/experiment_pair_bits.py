@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiment_common import interleaved, median, pair_case  # noqa: E402  (puts torch-ext on the path)
 
 from ab import load_copy  # noqa: E402
-from fused_linear_ce import products  # noqa: E402
+from fused_linear_ce import gemm  # noqa: E402
 
 
 def decode_v26(hi, lo):
@@ -85,7 +85,7 @@ def main():
         del exact, values, scale
         out16 = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
         runs["cublas-bf16"] = lambda: torch.mm(a, b, out=out16)
-        runs["triton-bf16"] = lambda: products.matmul(a, b, out16, False, unscale, role=role)
+        runs["triton-bf16"] = lambda: gemm.matmul(a, b, out16, False, unscale, role=role)
         times = interleaved(runs, rounds=args.rounds, rep=200)
         for variant, ts in times.items():
             rows.append(dict(case=name, variant=variant, ms=median(ts), rounds=ts))

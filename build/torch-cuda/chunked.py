@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, configs, device, losses, parallel, plan, products, sweep
+from . import autotune, configs, device, losses, pairs, parallel, plan, products, sweep
 from .logits import label_terms, softcap_grad, store_dlogits
 from .sweep import RowStats
 from .validate import Options, chunked_unsupported
@@ -191,7 +191,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if need_dw and dw_type != torch.float32:
         if n_chunks > 1:  # a pair (fp16 and fp32: an fp32 grad_weight already)
             # an int8 remainder, or at long context by default a 4-bit one (half the bytes)
-            dw_lo = products.compensation_buffer(grad_weight, torch.int8 if lean is None else torch.uint8)
+            dw_lo = pairs.compensation_buffer(grad_weight, torch.int8 if lean is None else torch.uint8)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
@@ -231,7 +231,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         # Spent: where they did not fit in grad_hidden the next chunk's sweep would allocate its own
         # while these are still held, twice the statistics at the peak.
         del tile_stats
-        if need_dx:  # split in two K halves where that fills the GPU's waves (``products.split_k``) and
+        if need_dx:  # split in two K halves where that fills the GPU's waves (``gemm.split_k``) and
             # its fp32 (R, H) buffer is at most 1/16 of the chunk's (R, V) one
             products.product(da, weight, dx_acc[sl], False, chunk_unscale, may_split=32 * h <= v)
         if (slab is not None or in_head) and need_dw:
@@ -395,7 +395,7 @@ def softmax_gradient_kernel(
 
     # From the unclamped rows (the mask covers those past R): a class-major buffer's rows are then
     # known to be contiguous, and its loads and stores coalesce (through the clamped ones, 5x slower
-    # on the H200: 3.0 against 0.63 ms for 4096 x 128256 bf16, NOTES v29).
+    # on the H200: 3.0 against 0.63 ms for 4096 x 128256 bf16).
     offsets = local_n[:, None] * stride_e + offs_v[None, :] * stride_ev
     e = tl.load(e_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m_tile = tl.load(tile_max_ptr + (pid_v // (STATS_V // BLOCK_V)).to(tl.int64) * R + local)

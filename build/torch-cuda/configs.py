@@ -91,15 +91,14 @@ _GPU_SWEEP_FP32 = TileConfig(block_n=64, block_v=64, block_h=32, group_m=8, num_
 # shared memory with the descriptor store's 64 KB buffer: one program per SM), groups of 16. Its
 # gradient kernel keeps 128-column programs (``chunked.gradient_cols``). H200, bf16, the chunked path
 # in one chunk, 3 interleaved rounds against torch.compile (benchmarks/results/flat/run2.json,
-# random / peaked): S1 0.988x / 1.004x against 1.036x / 1.036x for v13's 128 x 128 tiles with one
+# random / peaked): S1 0.988x / 1.004x against 1.036x / 1.036x for 128 x 128 tiles with one
 # warpgroup, S2 0.993x / 0.993x against 1.031x / 1.007x, S3 1.007x / 0.995x against 1.035x /
-# 1.015x; the sweep alone 13.66 / 16.20 / 17.52 ms against 14.55 / 16.91 / 17.83. (v13 measured the
-# 128 x 128 tiles faster than 256 x 128 ones while the gradient kernel took the sweep's tiles.)
+# 1.015x; the sweep alone 13.66 / 16.20 / 17.52 ms against 14.55 / 16.91 / 17.83. (With the gradient
+# kernel on the sweep's tiles, 128 x 128 tiles measured faster than 256 x 128 ones.)
 _GPU_CHUNKED_SWEEP = TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
 # Up to H = 1024 the 128 x 128 tiles with one warpgroup (3 stages, 128 KB: one program per SM): at
-# H = 896 and 640 (v14's autotuning, the whole chunked forward) the 128 x 256 tiles took 14% longer,
-# though with the gradient kernel then on the same tiles; not re-measured since its programs kept
-# 128 columns (NOTES v32), so this bucket keeps what was measured there.
+# H = 896 and 640 (autotuning the whole chunked forward, H200) the 128 x 256 tiles took 14% longer,
+# measured with the gradient kernel on the sweep's tiles rather than on its own 128-column programs.
 _GPU_CHUNKED_SWEEP_SMALL_H = TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=4, num_stages=3)
 # The recompute backward's dlogits kernel (one tile a program; its tiles also cut the backward plan):
 # the sweep's. 128 x 128 tiles with 4 warps (two programs per SM), 4 stages, 128-wide H steps were all
@@ -133,8 +132,8 @@ _GPU_MATMUL_FP32 = MatmulConfig(block_m=64, block_p=64, block_k=32, group_m=8, n
 # tile's softmax epilogue is a fixed cost. Names, not objects, so that experiments patch the
 # module's configs. The sweep's and the dlogits kernel's one bucket: the H200 at H = 640 to 4096
 # gave no second one that held up side by side. The chunked sweep's two: 128 x 256 tiles measured
-# best at H = 2048, 2304 and 4096 (NOTES v32), 128 x 128 kept up to H = 1024 (v14). ``autotune`` tunes
-# for the exact shape where that matters.
+# best at H = 2048, 2304 and 4096 (benchmarks/results/flat/), 128 x 128 up to H = 1024
+# (``_GPU_CHUNKED_SWEEP_SMALL_H``). ``autotune`` tunes for the exact shape where that matters.
 _TUNED = {
     "sweep": ((None, "_GPU_SWEEP"),),
     "chunked": ((1024, "_GPU_CHUNKED_SWEEP_SMALL_H"), (None, "_GPU_CHUNKED_SWEEP")),

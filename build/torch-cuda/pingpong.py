@@ -1,7 +1,7 @@
 """The per-token forward sweep on Hopper as a ping-pong kernel (Gluon): the softmax epilogue of one
 tile runs while the other consumer's products use the tensor cores.
 
-``sweep.lse_sweep_kernel`` runs each tile's products and then its epilogue in one instruction stream;
+``sweep_kernels.lse_sweep_kernel`` runs each tile's products and then its epilogue in one instruction stream;
 with a short K loop (H <= 2048: 32 steps of 64) the epilogue and the refill of the operand pipeline
 between tiles leave the tensor cores idle for ~20% of the sweep (S3, 16384 x 2048 x 151936: 1.20x
 one cuBLAS matmul). Here one program (BLOCK_N rows x a range of vocabulary tiles, as there) has three
@@ -29,7 +29,7 @@ leaves the log-sum-exp bit for bit the same. Not the loss: its step did not move
 sweep, the Triton one, whose log-probs this kernel's match to ~2e-6 (S1-S3), not bit for bit.
 
 Each consumer writes its statistics as a split of its own (split 2 s + consumer), in the planes
-``sweep.combine_kernel`` merges. No interpreter: the CPU tests check the rule and compile the kernel
+``sweep_kernels.combine_kernel`` merges. No interpreter: the CPU tests check the rule and compile the kernel
 for sm_90 (``tests/kernel/test_registers.py``: no spill; 16 bytes of stack with the metrics);
 ``tests/kernel/test_pingpong.py`` runs it on an sm_90 GPU against float64 and the Triton sweep.
 """
@@ -93,7 +93,7 @@ def rule(capability: tuple[int, int], dtype: torch.dtype, h: int, *, plain: bool
 
 def launch(hidden, weight, targets, tile_scale, metrics: bool, offset: int, ignore_index: int, skip_ignored: bool):
     """Runs the ping-pong sweep; returns (stats (3 or 5, 2 S, N) fp32, argmax (2 S, N) int32 or
-    ``stats``, 2 S): the per-split planes of ``sweep.combine_kernel`` (row max, sum of exp(z - max),
+    ``stats``, 2 S): the per-split planes of ``sweep_kernels.combine_kernel`` (row max, sum of exp(z - max),
     target logit; with ``metrics`` also the sum of exp(z - max) (z - max), the largest logit and its
     class), S the vocabulary splits (``plan.tile_ranges``, one program per SM)."""
     n, h = hidden.shape
@@ -238,7 +238,7 @@ if HAVE_GLUON:
             mbarrier.arrive(p.empty.index(prev))
             mbarrier.arrive(p.turn.index(1 - C))
 
-            # The epilogue, as sweep.lse_sweep_kernel's (same statistics, same rounding of z).
+            # The epilogue, as sweep_kernels.lse_sweep_kernel's (same statistics, same rounding of z).
             vt = p.first + i
             z = acc * p.scale
             # Only the last tile can have columns past the end: a uniform branch, at every V (the

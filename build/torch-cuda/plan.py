@@ -13,8 +13,8 @@ from . import device as _device
 
 # The memory knob's default on the recompute path (bytes): its backward's da blocks and fp32
 # accumulators. 192 MiB: at 8192 x 4096 and 16384 x 2048 (N H = 32 Mi) the one-pass plan's da blocks
-# are those of an unhosted fp32 accumulator beside them in 256 MiB, its first half now hosted in
-# grad_hidden (``BackwardPlan.hosted``).
+# are those that an unhosted fp32 accumulator would leave beside it in 256 MiB, the accumulator's
+# first half being hosted in grad_hidden (``BackwardPlan.hosted``).
 DEFAULT_CHUNK_BYTES = 192 << 20
 # The memory knob's default on the chunked path: one chunk's buffer of rows. 256 MiB: each chunk adds
 # the weight gradient's V x H sum once more, and a master weight's default step measured 6-7% slower
@@ -22,10 +22,10 @@ DEFAULT_CHUNK_BYTES = 192 << 20
 DEFAULT_CHUNKED_BYTES = 256 << 20
 # The chunked path's default for an fp32 master weight in several chunks (not hosted whole in its
 # gradient): the fp32 gradient is the sum's own accumulator, so the chunk is nearly all the extra
-# memory. 504 MiB, issue 22's 512 less the statistics: at S4 (65536 x 4096 x 128256) a hosted head of
+# memory. 504 MiB, a 512 MiB budget less the statistics: at S4 (65536 x 4096 x 128256) a hosted head of
 # 8192 rows, then 2048-row chunks (501 MiB), 350.4 / 348.9 ms random / peaked against 361.3 / 360.1
 # in 448 MiB's 1792-row chunks and torch.compile's 332.0 / 329.4 under the same autocast, 503.8 MiB
-# beyond autocast's bf16 weight copy (H200, NOTES v30, benchmarks/results/hosted/v30/).
+# beyond autocast's bf16 weight copy (H200, benchmarks/results/hosted/).
 DEFAULT_MASTER_BYTES = 504 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
@@ -67,7 +67,7 @@ def chunk_rows(n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None, bloc
 def lean_chunk_bytes(v: int, h: int, dtype: torch.dtype, chunk_bytes: int | None = None) -> int | None:
     """The chunk budget of the long-context chunked plan: ``chunk_bytes`` (default
     DEFAULT_PAIRED_BYTES) less grad_weight's 4-bit remainder (V x ceil(H / 2) bytes,
-    ``products.compensation_buffer(hi, torch.uint8)``), or None when that leaves fewer than
+    ``pairs.compensation_buffer(hi, torch.uint8)``), or None when that leaves fewer than
     LEAN_MIN_ROWS rows of the (R, V) buffer. At 128256 x 4096: 250.5 MiB of remainder, 1024-row
     chunks by default, 4096 in 1.25 GiB. Which calls take it: ``chunked.long_context_budget``."""
     budget = (DEFAULT_PAIRED_BYTES if chunk_bytes is None else chunk_bytes) - v * triton.cdiv(h, 2)
@@ -126,7 +126,7 @@ def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *,
     waves are at least ``_WAVE_EFFICIENCY`` full, else the fullest (fewer splits: fewer partial
     statistics, and the programs that run together share more of the weight in L2). H200, bf16,
     evaluation forward (``benchmarks/results/borrowed/experiment_splits.json``): S1 2 splits 13.9 ms
-    against 15.8 for the 5 of the earlier rule (2 programs per SM), S3 1 split 18.7 against 23.1."""
+    against 15.8 for the 5 that a fixed 2 programs per SM gives, S3 1 split 18.7 against 23.1."""
     if _device.interpreted() or device.type != "cuda":
         return max(1, min(_CPU_SPLITS, n_vocab_tiles))
     sms = _device.sm_count(device)
@@ -170,7 +170,7 @@ class BackwardPlan:
     # the vocabulary blocks that overlap it get their grad_weight after grad_hidden is final.
     borrowed: bool = False
     # grad_hidden is summed over the vocabulary blocks as a pair: itself (bf16) and an int8 (N, H)
-    # remainder (``products.matmul``'s pair epilogue), N x H bytes instead of an fp32 N x H.
+    # remainder (``gemm.matmul``'s pair epilogue), N x H bytes instead of an fp32 N x H.
     paired: bool = False
     # The (N, H) fp32 accumulator's first rows live in grad_hidden's own 16-bit memory (N x H x
     # itemsize bytes: half of it), the rest in an extra buffer; at the end the hosted rows are

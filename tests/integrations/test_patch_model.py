@@ -21,7 +21,7 @@ from conftest import DEVICE, ON_GPU, rel_err
 transformers = pytest.importorskip("transformers")
 
 import fused_linear_ce  # noqa: E402
-from fused_linear_ce import patch_model, patching, unpatch_model  # noqa: E402
+from fused_linear_ce import logit_probe, patch_model, patching, unpatch_model  # noqa: E402
 
 V, H, T, B = 128, 32, 16, 2
 # fp32 relative tolerance (measured on CPU: ~3e-7; GPU reductions run in other orders and were not measured).
@@ -500,7 +500,7 @@ def test_without_labels_the_model_is_untouched():
     assert torch.equal(ours.generate(prompt, **kwargs), theirs.generate(prompt, **kwargs))
     # return_dict=False: the tuple without the logits, as transformers drops None entries.
     loss, *rest = ours(input_ids=ids, labels=labels, return_dict=False)
-    assert loss.ndim == 0 and all(not isinstance(r, patching.LogitsProbe) for r in rest)
+    assert loss.ndim == 0 and all(not isinstance(r, logit_probe.LogitsProbe) for r in rest)
 
 
 def test_patch_is_idempotent_and_unpatch_restores():

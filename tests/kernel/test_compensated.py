@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, KernelSpy
-from fused_linear_ce import configs, device, products
+from fused_linear_ce import configs, device, gemm, pairs, products
 
 BITS = {torch.bfloat16: 8, torch.float16: 11}  # significand bits, the implicit one included
 SUBNORMAL_QUANTUM = {torch.bfloat16: -149, torch.float16: -24}  # log2 of the smallest step
@@ -109,12 +109,12 @@ def test_the_pair_follows_the_exact_sum_where_a_plain_16bit_sum_drifts(dtype):
     n, m, k, p = 24, 48, 16, 40
     chunks = _chunks(n, m, k, p, dtype, scale=1.0 if dtype == torch.bfloat16 else 2.0**-6)
     hi = _garbage((m, p), dtype)
-    lo = products.compensation_buffer(hi)
+    lo = pairs.compensation_buffer(hi)
     assert lo.dtype == torch.bfloat16 and lo.shape == hi.shape and lo.stride() == hi.stride()
     _run(chunks, hi, lo)
     plain = _garbage((m, p), dtype)
     for i, (a, b) in enumerate(chunks):
-        products.matmul(a, b, plain, i > 0)
+        gemm.matmul(a, b, plain, i > 0)
 
     exact, bound = _bound(chunks, dtype)
     err = (_pair(hi, lo) - exact).abs()
@@ -146,7 +146,7 @@ def test_each_factor_applies_to_its_own_product_before_the_split(dtype):
     chunks = _chunks(6, 40, 24, 48, dtype, scale=1.0 if dtype == torch.bfloat16 else 2.0**-4, seed=1)
     factors = [torch.tensor([f], dtype=torch.float32, device=DEVICE) for f in (1 / 3, 0.7, 1 / 5, 2.5, 1 / 7, 0.3)]
     hi = _garbage((40, 48), dtype)
-    lo = products.compensation_buffer(hi)
+    lo = pairs.compensation_buffer(hi)
     _run(chunks, hi, lo, factors)
     exact, bound = _bound(chunks, dtype, factors)
     err = (_pair(hi, lo) - exact).abs()
@@ -161,7 +161,7 @@ def test_each_factor_applies_to_its_own_product_before_the_split(dtype):
 class _Layout:
     """hi and lo of (m, p): contiguous rows of 72 (144 bytes: TMA descriptors), of 70 (140 bytes:
     pointers), or views of 70 columns of 80-wide buffers (pointers: on the H200 the descriptors over
-    such a view changed the 10 columns past it, so ``products.matmul`` takes them for contiguous
+    such a view changed the 10 columns past it, so ``gemm.matmul`` takes them for contiguous
     buffers only; the columns past the view must keep their values)."""
 
     def __init__(self, kind, m, dtype):
@@ -187,8 +187,8 @@ def test_ragged_edges_through_descriptors_and_pointers(dtype, kind, monkeypatch)
     64 x 64 x 256), operands loaded through pointers (a has 26-byte rows).
     The pair goes through descriptors where its rows allow (C_TMA), else pointers: the same sum,
     the first call over garbage, nothing written past the edge."""
-    spy = KernelSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
+    spy = KernelSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
     layout = _Layout(kind, 100, dtype)
     hi_before, lo_before = layout.hi_full.cpu().clone(), layout.lo_full.cpu().clone()
     chunks = _chunks(3, 100, 13, layout.p, dtype, scale=1.0 if dtype == torch.bfloat16 else 2.0**-6, seed=2)
@@ -244,7 +244,7 @@ def test_overflow_stays_inf_and_nan_stays_nan():
     a = torch.full((16, 16), 16.0, dtype=torch.float16, device=DEVICE)
     b = torch.full((16, 16), 160.0, dtype=torch.float16, device=DEVICE)  # each entry 40960
     hi = torch.empty(16, 16, dtype=torch.float16, device=DEVICE)
-    lo = products.compensation_buffer(hi)
+    lo = pairs.compensation_buffer(hi)
     products.compensated(a, b, hi, lo, False)
     assert (hi == 40960).all() and (lo == 0).all()
     products.compensated(a, b, hi, lo, True)
@@ -253,7 +253,7 @@ def test_overflow_stays_inf_and_nan_stays_nan():
     assert torch.isinf(hi).all() and (hi > 0).all() and (lo == 0).all()
     a[0, 0] = float("nan")
     hi2 = torch.empty(16, 16, dtype=torch.float16, device=DEVICE)
-    lo2 = products.compensation_buffer(hi2)
+    lo2 = pairs.compensation_buffer(hi2)
     products.compensated(a, b, hi2, lo2, False)
     a[0, 0] = 1.0
     products.compensated(a, b, hi2, lo2, True)
@@ -262,7 +262,7 @@ def test_overflow_stays_inf_and_nan_stays_nan():
 
 @pytest.mark.parametrize("lo_dtype", [torch.int8, torch.uint8], ids=["int8", "4-bit"])
 def test_a_pair_in_the_sums_bits_overflows_to_inf_and_keeps_nan(lo_dtype):
-    """The int8 and 4-bit remainders' splits work on the sum's fp32 bits (``products.pair_of``): a sum
+    """The int8 and 4-bit remainders' splits work on the sum's fp32 bits (``pairs.pair_of``): a sum
     that rounds past bf16's largest value (2^127 (2 - 2^-8), a tie rounded to even, or half up: inf,
     though fp32 holds it) leaves hi inf and lo 0, inf stays inf when less is added, one past fp32's
     range too, and a NaN stays NaN (the GPU's NaN, all ones, would wrap the bits' integer rounding)."""
@@ -270,7 +270,7 @@ def test_a_pair_in_the_sums_bits_overflows_to_inf_and_keeps_nan(lo_dtype):
     a = torch.full((16, 16), 2.0**62, dtype=dtype, device=DEVICE)
     b = torch.full((16, 16), 2.0**61, dtype=dtype, device=DEVICE)  # each entry 2^127
     hi = torch.empty(16, 16, dtype=dtype, device=DEVICE)
-    lo = products.compensation_buffer(hi, lo_dtype)
+    lo = pairs.compensation_buffer(hi, lo_dtype)
     products.compensated(a, b, hi, lo, False)
     assert (hi == 2.0**127).all() and (lo == 0).all()
     products.compensated(a, b * (1 - 2.0**-8), hi, lo, True)  # 2^127 (2 - 2^-8): fp32 holds it
@@ -278,13 +278,13 @@ def test_a_pair_in_the_sums_bits_overflows_to_inf_and_keeps_nan(lo_dtype):
     products.compensated(a, -b / 4, hi, lo, True)
     assert torch.isinf(hi).all() and (hi > 0).all() and (lo == 0).all()
     hi2 = torch.empty(16, 16, dtype=dtype, device=DEVICE)
-    lo2 = products.compensation_buffer(hi2, lo_dtype)
+    lo2 = pairs.compensation_buffer(hi2, lo_dtype)
     products.compensated(a, -b, hi2, lo2, False)
     products.compensated(a, -b, hi2, lo2, True)  # -2^128: past fp32's range
     assert torch.isinf(hi2).all() and (hi2 < 0).all() and (lo2 == 0).all()
     a[0, 0] = float("nan")
     hi3 = torch.empty(16, 16, dtype=dtype, device=DEVICE)
-    lo3 = products.compensation_buffer(hi3, lo_dtype)
+    lo3 = pairs.compensation_buffer(hi3, lo_dtype)
     products.compensated(a, b / 8, hi3, lo3, False)
     a[0, 0] = 1.0
     products.compensated(a, b / 8, hi3, lo3, True)
@@ -307,13 +307,13 @@ def test_mismatched_buffers_are_refused():
 def test_a_plain_matmul_launches_as_before(monkeypatch):
     """Without lo the matmul's launches are the plain ones: COMPENSATED off, and the contiguous result
     through a descriptor exactly where the config's ``c_tma`` and the hardware say."""
-    spy = KernelSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
-    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile: as if it filled the GPU
+    spy = KernelSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
+    monkeypatch.setattr(gemm, "few_tiles", lambda a, b: False)  # one tile: as if it filled the GPU
     a = torch.ones(16, 32, dtype=torch.bfloat16, device=DEVICE)
     b = torch.ones(32, 16, dtype=torch.bfloat16, device=DEVICE)
     out = torch.zeros(16, 16, dtype=torch.float32, device=DEVICE)
-    products.matmul(a, b, out, True)
+    gemm.matmul(a, b, out, True)
     products.product(a, b, torch.empty(16, 16, dtype=torch.bfloat16, device=DEVICE), False)
     c_tma = (ON_GPU and configs.matmul_config(torch.bfloat16).c_tma
              and configs.tma_hardware(torch.device(DEVICE)))
@@ -325,7 +325,7 @@ def test_a_plain_matmul_launches_as_before(monkeypatch):
 
 def _pair_int8(hi, lo):
     """The fp32 whose bit pattern is hi's 16 bits followed by 16 zeros plus lo units of 2^8
-    (``products.pair_value``), in float64."""
+    (``pairs.pair_value``), in float64."""
     bits = (hi.cpu().view(torch.int16).to(torch.int32) << 16) + lo.cpu().to(torch.int32) * 256
     return bits.view(torch.float32).double()
 
@@ -341,7 +341,7 @@ def test_an_int8_remainder_holds_the_sum_like_a_bf16_one():
     n, m, k, p = 24, 48, 16, 40
     chunks = _chunks(n, m, k, p, dtype)
     hi = _garbage((m, p), dtype)
-    lo = products.compensation_buffer(hi, torch.int8)
+    lo = pairs.compensation_buffer(hi, torch.int8)
     lo.fill_(-128)  # garbage: the first call writes it
     assert lo.dtype == torch.int8 and lo.shape == hi.shape and lo.stride() == hi.stride()
     _run(chunks, hi, lo)
@@ -361,7 +361,7 @@ def test_an_int8_remainder_holds_the_sum_like_a_bf16_one():
     # Dropping the remainder (hi alone after each call) is the plain sum: far worse.
     plain = _garbage((m, p), dtype)
     for i, (a, b) in enumerate(chunks):
-        products.matmul(a, b, plain, i > 0)
+        gemm.matmul(a, b, plain, i > 0)
     assert (_ulps(plain, want) > 0).float().mean() >= 0.3
 
 
@@ -433,17 +433,17 @@ def test_the_paired_rows_config_sums_the_same_bits(monkeypatch):
     "paired_rows": 128 x 128); each output's K reduction runs in the same steps whatever the tile, so
     the pair holds the same bits as with the shared config, ragged edges included. On the
     interpreter both roles are the one CPU config (the launch records say so)."""
-    spy = KernelSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
+    spy = KernelSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b, start, unscale = _ragged_product(3)
-    pairs = []
+    results = []
     for role in ("product", "paired_rows"):
         hi = start.clone()
-        lo = products.compensation_buffer(hi, torch.int8)
+        lo = pairs.compensation_buffer(hi, torch.int8)
         products.compensated(a, b, hi, lo, True, unscale, role=role)
         products.compensated(a, b, hi, lo, True, unscale, role=role)
-        pairs.append((hi, lo))
-    assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        results.append((hi, lo))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     tiles = [(launch["BLOCK_M"], launch["BLOCK_P"], launch["C_TMA"]) for launch in spy.launches]
     want = configs.matmul_config(torch.bfloat16, role="paired_rows")
     assert tiles[2:] == [(want.block_m, want.block_p, True)] * 2
@@ -455,20 +455,20 @@ def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
     """``MatmulConfig.split_pair``: the pair's epilogue runs on the tile's two column halves in turn
     (descriptors of half the width; fewer registers live). The arithmetic per element is the same, so
     the pair holds the same bits as with the whole tile, ragged edges included."""
-    spy = KernelSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
+    spy = KernelSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b, start, unscale = _ragged_product(4)
     shipped = configs.matmul_config(torch.bfloat16)
-    pairs = []
+    results = []
     for split in (False, True):
         cfg = dataclasses.replace(shipped, split_pair=split)
         monkeypatch.setattr(configs, "matmul_config", lambda dtype, role="product", cfg=cfg: cfg)
         hi = start.clone()
-        lo = products.compensation_buffer(hi, lo_dtype)
+        lo = pairs.compensation_buffer(hi, lo_dtype)
         products.compensated(a, b, hi, lo, False, unscale)
         products.compensated(a, b, hi, lo, True, unscale)
-        pairs.append((hi, lo))
-    assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        results.append((hi, lo))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert [(launch["C_TMA"], launch["SPLIT_PAIR"]) for launch in spy.launches] == [(True, False)] * 2 + [(True, True)] * 2
 
 
@@ -480,7 +480,7 @@ def _ulps_size(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_4bit(hi, lo):
-    """The value of a bf16 hi with 4-bit remainders two a byte (``products.pack_nibbles``): hi's bits
+    """The value of a bf16 hi with 4-bit remainders two a byte (``pairs.pack_nibbles``): hi's bits
     followed by the column's signed nibble in units of 2^12."""
     b = lo.cpu().to(torch.int32)
     nibbles = torch.stack([(b << 28) >> 28, (b << 24) >> 28], -1).reshape(lo.shape[0], -1)[:, : hi.shape[1]]
@@ -501,15 +501,15 @@ def test_a_4bit_remainder_holds_the_sum_to_12_bits(p):
     n, m, k = 24, 48, 16
     chunks = _chunks(n, m, k, p, dtype)
     hi = _garbage((m, p), dtype)
-    lo = products.compensation_buffer(hi, torch.uint8)
+    lo = pairs.compensation_buffer(hi, torch.uint8)
     assert lo.dtype == torch.uint8 and lo.shape == (m, (p + 1) // 2) and lo.is_contiguous()
     lo.fill_(0x88)  # garbage: the first call writes it
-    spy = KernelSpy(products.matmul_kernel)
+    spy = KernelSpy(gemm.matmul_kernel)
     try:
-        products.matmul_kernel, original = spy, products.matmul_kernel
+        gemm.matmul_kernel, original = spy, gemm.matmul_kernel
         _run(chunks, hi, lo)
     finally:
-        products.matmul_kernel = original
+        gemm.matmul_kernel = original
     assert [s["C_TMA"] for s in spy.launches] == [p == 64] * n  # 32-byte rows of remainders, or 21
 
     exact, bound = _bound(chunks, dtype)
@@ -525,7 +525,7 @@ def test_a_4bit_remainder_holds_the_sum_to_12_bits(p):
     assert ulps.max() <= 1 and (ulps > 0).float().mean() <= 0.1, torch.bincount(ulps.flatten())
     plain = _garbage((m, p), dtype)
     for i, (a, b) in enumerate(chunks):
-        products.matmul(a, b, plain, i > 0)
+        gemm.matmul(a, b, plain, i > 0)
     plain_rel = (plain.double().cpu() - exact).abs() / exact.abs()
     assert plain_rel.mean() >= 2.0**3 * rel.mean()
 

@@ -17,7 +17,7 @@ import torch
 
 from cases import Case, check_three_way, make_inputs, ours, plain
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import configs, device, sweep
+from fused_linear_ce import configs, device, sweep_kernels
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -158,13 +158,13 @@ def test_chunked_sweep_stores_through_a_descriptor_where_the_layout_allows(v, e_
     if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
     launches = []
-    real = sweep.lse_sweep_kernel
+    real = sweep_kernels.lse_sweep_kernel
 
     class Spy:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs["E_TMA"]) or real[grid](*args, **kwargs)
 
-    monkeypatch.setattr(sweep, "lse_sweep_kernel", Spy())
+    monkeypatch.setattr(sweep_kernels, "lse_sweep_kernel", Spy())
     case = Case(40, 48, v, torch.bfloat16, "mean", ignored=0.2, extra=dict(strategy="chunked"))
     check_three_way(case)
     assert launches and set(launches) == {e_tma}

@@ -1,7 +1,7 @@
 """Reproducibility: the same inputs give bit-identical loss, metrics, lse and gradients run
 to run, and so do re-created identical inputs (fresh tensors, same values). The host uses no
 scatter-add and the kernels one kind of atomic add only, whose result does not depend on the order
-(the split product's two K halves added onto zeros: ``products.split_k``), so there is no
+(the split product's two K halves added onto zeros: ``gemm.split_k``), so there is no
 nondeterministic fast path and no ``deterministic=True`` setting is needed; the last two tests keep
 it that way."""
 
@@ -61,7 +61,7 @@ def test_same_inputs_give_bitwise_identical_results(case):
 # The one order-free use: the split product's two K halves, each added once onto an fp32 buffer of
 # zeros (through a descriptor's reduction, a column half at a time, or through pointers on the
 # interpreter). 0 + a is a and a + b is b + a, so either order gives the same bits.
-ORDER_FREE = {"products.py": [".atomic_add(", ".atomic_add(", "tl.atomic_add"]}
+ORDER_FREE = {"gemm.py": [".atomic_add(", ".atomic_add(", "tl.atomic_add"]}
 
 
 def test_kernels_and_launcher_use_no_atomics_or_scatter_adds():
@@ -82,7 +82,7 @@ def test_the_split_product_is_the_sum_of_its_halves_in_either_order(monkeypatch)
     """``matmul(..., split=2)`` leaves exactly fp32(half_0 + half_1), each half the product over its
     own K steps (as ``matmul`` computes it alone): the one value both orders of the two atomic adds
     onto zero give. Rows, columns and K steps ragged."""
-    from fused_linear_ce import configs, products
+    from fused_linear_ce import configs, gemm
 
     block_k = configs.matmul_config(torch.bfloat16).block_k
     g = torch.Generator().manual_seed(5)
@@ -92,14 +92,14 @@ def test_the_split_product_is_the_sum_of_its_halves_in_either_order(monkeypatch)
     device = "cuda" if ON_GPU else "cpu"
     a, b = a.to(device), b.to(device)
     both = torch.zeros(70, 90, device=device)
-    products.matmul(a, b, both, False, split=2)
+    gemm.matmul(a, b, both, False, split=2)
     halves = []
     for part in (slice(0, 3 * block_k), slice(3 * block_k, k)):
         half = torch.zeros(70, 90, device=device)
-        products.matmul(a[:, part].contiguous(), b[part].contiguous(), half, False)
+        gemm.matmul(a[:, part].contiguous(), b[part].contiguous(), half, False)
         halves.append(half)
     assert torch.equal(halves[0] + halves[1], halves[1] + halves[0])
     assert torch.equal(both, halves[0] + halves[1])
     again = torch.zeros_like(both)
-    products.matmul(a, b, again, False, split=2)
+    gemm.matmul(a, b, again, False, split=2)
     assert torch.equal(again, both)

@@ -7,7 +7,7 @@ import torch
 
 from cases import Case, make_inputs
 from conftest import DEVICE, KernelSpy
-from fused_linear_ce import chunked, fused_linear_cross_entropy, products, recompute, sweep
+from fused_linear_ce import chunked, fused_linear_cross_entropy, gemm, products, recompute, sweep
 
 LEAVES = ("hidden", "weight", "bias")
 
@@ -57,18 +57,18 @@ def spies(monkeypatch):
     in_place = KernelSpy(chunked.softmax_gradient_kernel)
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", in_place)
 
-    def spy(name):  # every product entry point records its second operand's storage
-        real = getattr(products, name)
+    def spy(module, name):  # every product entry point records its second operand's storage
+        real = getattr(module, name)
 
         def run(a, b, *args, **kwargs):
             products_run.append(b.untyped_storage().data_ptr())
             return real(a, b, *args, **kwargs)
 
-        monkeypatch.setattr(products, name, run)
+        monkeypatch.setattr(module, name, run)
 
     products_run = []
-    for name in ("matmul", "product", "accumulate", "rows_product"):
-        spy(name)
+    for module, name in ((gemm, "matmul"), (products, "product"), (products, "accumulate"), (products, "rows_product")):
+        spy(module, name)
     monkeypatch.setattr(recompute, "dlogits_kernel", dlogits)
     return products_run, dlogits, in_place
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, KernelSpy, rel_err
-from fused_linear_ce import chunked, fused_linear_logprobs, recompute, sweep, tokens
+from fused_linear_ce import chunked, fused_linear_logprobs, recompute, sweep_kernels, tokens
 
 FIELDS = tokens.FIELDS
 # The errors allowed against float64. The fields are fp32 from fp32 logits of inputs exact in every
@@ -163,10 +163,10 @@ def test_leading_dims_and_shift_equal_the_flat_call():
 @pytest.fixture
 def spies(monkeypatch):
     found = {"dlogits": KernelSpy(recompute.dlogits_kernel), "in_place": KernelSpy(chunked.softmax_gradient_kernel),
-             "sweep": KernelSpy(sweep.lse_sweep_kernel)}
+             "sweep": KernelSpy(sweep_kernels.lse_sweep_kernel)}
     monkeypatch.setattr(recompute, "dlogits_kernel", found["dlogits"])
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", found["in_place"])
-    monkeypatch.setattr(sweep, "lse_sweep_kernel", found["sweep"])
+    monkeypatch.setattr(sweep_kernels, "lse_sweep_kernel", found["sweep"])
     return found
 
 

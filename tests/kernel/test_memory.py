@@ -12,7 +12,7 @@ The bound, from the code (``sweep.py``, ``recompute.py``, ``chunked.py``, ``ops.
   ``configs.vocab_splits``), and per-row fp32 / int64 / bool vectors (lse, target logit, loss terms,
   target weights, the backward's (3, N) coefficients and their temporaries), fewer than 32 of them;
 - a product whose output has fewer tiles than half the SMs (a ragged last block) runs on cuBLAS
-  with an fp32 result: at most (SMs / 2) tiles of 128 x 256 fp32 (``products.few_tiles``);
+  with an fp32 result: at most (SMs / 2) tiles of 128 x 256 fp32 (``gemm.few_tiles``);
 - slack for the caching allocator: each live block may be up to 1 MiB larger than asked for.
 No bias here (its (N / block_n) x V fp32 partial sums would add to the O(N) part).
 

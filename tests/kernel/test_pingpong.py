@@ -1,5 +1,5 @@
 """The Hopper ping-pong sweep (``pingpong.py``, Gluon): which calls take it, and on an sm_90 GPU that
-its statistics are the Triton sweep's (``sweep.lse_sweep_kernel``) and float64's.
+its statistics are the Triton sweep's (``sweep_kernels.lse_sweep_kernel``) and float64's.
 
 Gluon has no interpreter: on the CPU these tests check the dispatch rule and that the CPU path never
 takes it; ``tests/kernel/test_registers.py`` compiles the kernel for sm_90 offline (no spill). The

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, KernelSpy
-from fused_linear_ce import configs, fused_linear_cross_entropy, products
+from fused_linear_ce import configs, fused_linear_cross_entropy, gemm, products
 
 FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
@@ -55,10 +55,10 @@ def test_bf16_product_is_the_exact_sum_rounded_once(transposed):
 def test_products_send_fp16_and_fp32_to_the_package_matmul(dtype, monkeypatch):
     """fp32 through cuBLAS would follow the user's TF32 switch; a 16-bit result that fills the GPU
     goes to the matmul too (``few_tiles`` patched off: these operands are one tile)."""
-    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)
+    monkeypatch.setattr(gemm, "few_tiles", lambda a, b: False)
     calls = []
-    real = products.matmul
-    monkeypatch.setattr(products, "matmul", lambda *args: calls.append(args) or real(*args))
+    real = gemm.matmul
+    monkeypatch.setattr(gemm, "matmul", lambda *args: calls.append(args) or real(*args))
     a, b = _operands(16, 64, 24, dtype)
     got = _out(a, b)
     products.product(a, b, got, False)
@@ -185,8 +185,8 @@ def test_matmul_through_tma_descriptors_is_the_sum_rounded_once(dtype, a_t, b_t,
     times the factor, rounded once. fp32 accumulation and the factor applied before the rounding."""
     if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
-    spy = _MatmulSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
+    spy = _MatmulSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b = _operands(200, 328, 88, dtype, seed=3)
     if a_t:
         a = a.t().contiguous().t()
@@ -194,12 +194,12 @@ def test_matmul_through_tma_descriptors_is_the_sum_rounded_once(dtype, a_t, b_t,
         b = b.t().contiguous().t()
     out = torch.empty(200, 88, dtype=dtype, device=DEVICE)
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
-    products.matmul(a, b, out, False, third)
+    gemm.matmul(a, b, out, False, third)
     assert spy.flags == [(True, a_t, b_t)]
     assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
     # Accumulating into fp32 adds to what is there.
     acc = torch.ones(200, 88, dtype=torch.float32, device=DEVICE)
-    products.matmul(a, b, acc, True)
+    gemm.matmul(a, b, acc, True)
     want = a.double() @ b.double() + 1.0
     assert ((acc.double() - want).abs() / (a.double().abs() @ b.double().abs() + 1.0)).max() < 2.0**-20
 
@@ -207,24 +207,24 @@ def test_matmul_through_tma_descriptors_is_the_sum_rounded_once(dtype, a_t, b_t,
 def test_matmul_takes_pointer_loads_where_tma_does_not_apply(monkeypatch):
     """A row stride of 70 bf16 elements (140 bytes, not a multiple of 16) in A, fp32 on the GPU, or a
     config without TMA: pointer loads, the sum rounded once all the same."""
-    spy = _MatmulSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
+    spy = _MatmulSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b = _operands(48, 70, 40, torch.bfloat16, seed=4)  # a: contiguous 140-byte rows
     out = torch.empty(48, 40, dtype=torch.bfloat16, device=DEVICE)
-    products.matmul(a, b, out, False)
+    gemm.matmul(a, b, out, False)
     assert spy.flags[-1][0] is False
     assert _beyond_one_rounding(out, a, b) <= 2.0**-16
     aligned = torch.zeros(48, 72, dtype=torch.bfloat16, device=DEVICE)
     aligned[:, :70] = a  # a view with 144-byte rows: TMA
-    products.matmul(aligned[:, :70], b, out, False)
+    gemm.matmul(aligned[:, :70], b, out, False)
     assert spy.flags[-1][0] is True and _beyond_one_rounding(out, a, b) <= 2.0**-16
     a32, b32 = _operands(48, 64, 40, torch.float32, seed=5)
-    products.matmul(a32, b32, torch.empty(48, 40, device=DEVICE), False)
+    gemm.matmul(a32, b32, torch.empty(48, 40, device=DEVICE), False)
     assert spy.flags[-1][0] is (not ON_GPU)  # fp32 keeps pointer loads on the GPU (NOTES v12)
     monkeypatch.setattr(configs, "_GPU_MATMUL", dataclasses.replace(configs._GPU_MATMUL, tma=False))
     monkeypatch.setattr(configs, "_CPU_MATMUL", dataclasses.replace(configs._CPU_MATMUL, tma=False))
     again = torch.empty_like(out)
-    products.matmul(aligned[:, :70], b, again, False)
+    gemm.matmul(aligned[:, :70], b, again, False)
     assert spy.flags[-1][0] is False and _beyond_one_rounding(again, a, b) <= 2.0**-16
 
 
@@ -233,9 +233,9 @@ def test_product_with_a_factor_rounds_once_with_or_without_tma(monkeypatch):
     rounding, whether the matmul loads through TMA (aligned rows) or through pointers."""
     if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
-    spy = _MatmulSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
-    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
+    spy = _MatmulSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
+    monkeypatch.setattr(gemm, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     out = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
     for k, tma in ((200, True), (198, False)):  # a: 400-byte rows, then 396-byte rows (no TMA layout)
@@ -249,9 +249,9 @@ def test_a_product_with_few_output_tiles_goes_to_cublas_with_an_fp32_result_and_
     """Few output tiles (under half the SMs) with a long K: the Triton matmul would leave most of the
     GPU idle, so a 16-bit product runs on cuBLAS with an fp32 result and one ``scale``, with or
     without a factor. (On the CPU ``few_tiles`` is never true: patched here.)"""
-    spy = _MatmulSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
-    monkeypatch.setattr(products, "few_tiles", lambda a, b: True)
+    spy = _MatmulSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
+    monkeypatch.setattr(gemm, "few_tiles", lambda a, b: True)
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     a, b = _operands(64, 198, 40, torch.bfloat16, seed=7)  # no TMA layout either
     for factor in (1.0 / 3.0, None):
@@ -266,14 +266,14 @@ def test_few_tiles_counts_the_matmul_output_tiles_against_the_sms():
     H200 (132 SMs); S1's (1024 x 4096: 128 tiles) is not; nothing is on the CPU."""
     if not ON_GPU:
         a, b = _operands(8, 16, 8, torch.bfloat16)
-        assert not products.few_tiles(a, b)
+        assert not gemm.few_tiles(a, b)
         return
     one = torch.zeros((1, 1), dtype=torch.bfloat16, device=DEVICE)
     sms = configs.sm_count(one.device)
     cfg = configs.matmul_config(torch.bfloat16)
     for m, p in ((512, 2304), (1024, 4096), (128, 256)):
         tiles = -(-m // cfg.block_m) * -(-p // cfg.block_p)
-        got = products.few_tiles(one.expand(m, 1000), one.expand(1000, p))
+        got = gemm.few_tiles(one.expand(m, 1000), one.expand(1000, p))
         assert got == (2 * tiles < sms)
 
 
@@ -285,8 +285,8 @@ def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, m
     row slice of a larger buffer), and a non-contiguous result still through pointers."""
     if ON_GPU and not configs.tma_hardware(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA hardware (compute capability < 9.0)")
-    spy = KernelSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
+    spy = KernelSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
     a, b = _operands(100, 200, 88, torch.bfloat16, seed=7)
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     dtype = torch.float32 if accumulate else torch.bfloat16
@@ -296,7 +296,7 @@ def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, m
             monkeypatch.setattr(configs, name, dataclasses.replace(getattr(configs, name), c_tma=c_tma))
         buffer = torch.full((140, 88), 7.0, dtype=dtype, device=DEVICE)
         out = buffer[20:120]  # rows 20..119: contiguous, its neighbours must stay 7
-        products.matmul(a, b, out, accumulate, third)
+        gemm.matmul(a, b, out, accumulate, third)
         return buffer
 
     by_pointers, by_descriptor = run(False), run(True)
@@ -306,7 +306,7 @@ def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, m
     want = (a.double() @ b.double()) / 3.0 + (7.0 if accumulate else 0.0)
     assert ((by_descriptor[20:120].double() - want).abs() / (want.abs() + 1.0)).max() < 2.0**-7
     strided = torch.empty(88, 100, dtype=dtype, device=DEVICE).t()  # not contiguous: pointers
-    products.matmul(a, b, strided, False, third)
+    gemm.matmul(a, b, strided, False, third)
     assert spy.launches[-1]["C_TMA"] is False
 
 
@@ -316,10 +316,10 @@ def test_a_product_split_in_two_k_halves_sums_in_fp32_and_rounds_once(monkeypatc
     as two K halves added into an fp32 buffer of zeros, then one ``scale`` with the factor: the
     float64 product rounded once, the same bits on every run (two atomic adds onto 0 commute), and
     no cuBLAS. (On the CPU ``split_k`` is never 2: patched here.)"""
-    spy = _MatmulSpy(products.matmul_kernel)
-    monkeypatch.setattr(products, "matmul_kernel", spy)
-    monkeypatch.setattr(products, "split_k", lambda a, b: 2)
-    monkeypatch.setattr(products, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
+    spy = _MatmulSpy(gemm.matmul_kernel)
+    monkeypatch.setattr(gemm, "matmul_kernel", spy)
+    monkeypatch.setattr(gemm, "split_k", lambda a, b: 2)
+    monkeypatch.setattr(gemm, "few_tiles", lambda a, b: False)  # one tile here: as if it filled the GPU
     monkeypatch.setattr(products, "accumulate", lambda *a, **k: pytest.fail("cuBLAS ran"))
     third = torch.tensor([1.0 / 3.0], device=DEVICE)
     a, b = _operands(100, 1100, 72, torch.bfloat16, seed=8)  # ragged tiles, K steps an odd count
@@ -339,9 +339,9 @@ def test_a_product_split_in_two_k_halves_sums_in_fp32_and_rounds_once(monkeypatc
     assert _beyond_one_rounding(out, a, b, 1.0 / 3.0) <= 2.0**-16
     # Each half alone is half of the sum: neither half's programs run the whole K loop.
     half = torch.zeros(100, 72, device=DEVICE)
-    products.matmul(a[:, :550], b[:550], half, False)
+    gemm.matmul(a[:, :550], b[:550], half, False)
     both = torch.zeros(100, 72, device=DEVICE)
-    products.matmul(a, b, both, False, split=2)
+    gemm.matmul(a, b, both, False, split=2)
     assert (both - half).abs().max() > 0 and _beyond_one_rounding(both.bfloat16(), a, b) <= 2.0**-16
 
 
@@ -350,7 +350,7 @@ def test_split_k_counts_how_full_the_waves_are():
     is split; S1's and S3's (1024 tiles, 97%) and a short K are not; nothing is on the CPU."""
     if not ON_GPU:
         a, b = _operands(8, 16, 8, torch.bfloat16)
-        assert products.split_k(a, b) == 1
+        assert gemm.split_k(a, b) == 1
         return
     one = torch.zeros((1, 1), dtype=torch.bfloat16, device=DEVICE)
     sms = configs.sm_count(one.device)
@@ -358,11 +358,11 @@ def test_split_k_counts_how_full_the_waves_are():
     for m, k, p in ((8192, 256000, 2304), (8192, 128256, 4096), (16384, 151936, 2048), (8192, 4096, 2304)):
         tiles = -(-m // cfg.block_m) * -(-p // cfg.block_p)
         fill = lambda t: t / (-(-t // sms) * sms)  # noqa: E731
-        want = 2 if k >= 2 * products.MIN_SPLIT_STEPS * cfg.block_k and fill(2 * tiles) >= fill(tiles) + 0.05 else 1
-        assert products.split_k(one.expand(m, k), one.expand(k, p)) == want
+        want = 2 if k >= 2 * gemm.MIN_SPLIT_STEPS * cfg.block_k and fill(2 * tiles) >= fill(tiles) + 0.05 else 1
+        assert gemm.split_k(one.expand(m, k), one.expand(k, p)) == want
     if sms == 132:  # the H200's: the cases named above
-        assert products.split_k(one.expand(8192, 256000), one.expand(256000, 2304)) == 2
-        assert products.split_k(one.expand(8192, 128256), one.expand(128256, 4096)) == 1
+        assert gemm.split_k(one.expand(8192, 256000), one.expand(256000, 2304)) == 2
+        assert gemm.split_k(one.expand(8192, 128256), one.expand(128256, 4096)) == 1
 
 
 @pytest.mark.parametrize("h, v, allowed", [(16, 600, True), (32, 600, False)], ids=["small-h", "large-h"])

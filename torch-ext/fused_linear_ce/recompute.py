@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, device, losses, parallel, plan, products
+from . import autotune, device, losses, pairs, parallel, plan, products
 from .logits import grouped_tile, label_terms, logit_tile, softcap_grad, store_dlogits
 from .sweep import bias_args, tuning_variant
 from .validate import Options
@@ -278,7 +278,7 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
         dx_acc, first_borrowed_row = _borrow_accumulator(grad_weight, n, h)
     elif need_dx and dx_pass.paired:  # summed as a pair: grad_hidden itself and an int8 remainder
         grad_hidden = dx_acc = device.new((n, h), dtype, where)
-        dx_lo = products.compensation_buffer(grad_hidden, torch.int8)
+        dx_lo = pairs.compensation_buffer(grad_hidden, torch.int8)
     elif need_dx:
         grad_hidden, dx_acc = gradient((n, h), triton.cdiv(v, dx_pass.cols) > 1 or shard is not None)
     db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
