@@ -493,11 +493,10 @@ def select_methods(args, device, notes):
 
 
 def print_estimate(args, methods, n_dists):
+    """Prints (and returns) the run's expected seconds on an H200; on a CPU it counts the methods a GPU
+    run would have only where they were importable here."""
     counts = {s: sum((s, m) not in SKIP or args.no_skip for m in methods) for s in args.shape_list}
-    per, total = {}, 0.0
-    for shape, n in counts.items():
-        got, _ = estimate_s([shape], n_dists, n, args.rounds, args.quick, args.rep_ms, args.reps)
-        per.update(got)
+    per = {s: estimate_s([s], n_dists, n, args.rounds, args.quick, args.rep_ms, args.reps)[0][s] for s, n in counts.items()}
     total = ESTIMATE_START_S + sum(per.values())
     print(f"estimate (H200, from run.log): ~{total:.0f} s for {args.rounds} round(s): "
           + ", ".join(f"{s} ~{t:.0f} s ({counts[s]} methods x {n_dists} dists)" for s, t in per.items()), flush=True)
@@ -588,7 +587,7 @@ def main(argv=None):
                 peak_tflops=PEAK_TFLOPS, notes=notes, skipped=[], data={})
     run = {k: meta.get(k) for k in results_json.RUN_KEYS}
     run["rounds"] = args.rounds
-    meta["shape_runs"] = {s: run for s in args.shape_list}
+    meta["shape_runs"] = {}  # a shape's entry from its start: --merge then drops the old rows of that shape only
     rows = []
     t0 = time.perf_counter()
 
@@ -601,6 +600,7 @@ def main(argv=None):
         tmp.replace(out_path)
 
     for shape in args.shape_list:
+        meta["shape_runs"][shape] = run
         torch._dynamo.reset()  # fresh torch.compile graphs for this shape, no recompile limit
         for dist in dists:
             run_dist(shape, dist, methods, args, device, meta, rows, t0)

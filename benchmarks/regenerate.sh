@@ -15,11 +15,12 @@ shift || true
 PYTHON=${PYTHON:-python3}
 RESULTS=${RESULTS:-benchmarks/results}  # where the JSON, log, table and PNGs go
 LOG="$RESULTS/run_${SHAPES//,/}.log"
+mkdir -p "$RESULTS"
 
 "$PYTHON" benchmarks/bench.py --shapes "$SHAPES" --rounds 3 --merge --out "$RESULTS" "$@" 2>&1 | tee "$LOG"
 JSON=$(sed -n 's/.* wrote \(.*\.json\).*/\1/p' "$LOG" | tail -n 1)
 "$PYTHON" benchmarks/plot.py "$JSON"
-if [ "$(basename "$JSON")" = "h200.json" ]; then
+if [ "$JSON" = "benchmarks/results/h200.json" ]; then
     "$PYTHON" benchmarks/render.py
 else
     echo "regenerate.sh: $JSON is not the committed h200.json; README and docs not rendered" >&2

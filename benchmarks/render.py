@@ -128,34 +128,40 @@ def order(rows, key):
 
 
 def runs_of(meta, rows):
+    """Per shape, the call that measured it: date, commit, dirty, rounds, GPU and versions."""
     if "shape_runs" in meta:
         return meta["shape_runs"]
-    run = {k: meta.get(k) for k in ("date", "commit", "dirty", *VERSIONS)}
+    run = {k: meta.get(k) for k in ("date", "commit", "dirty", "gpu", *VERSIONS)}
     run["rounds"] = (meta.get("args") or {}).get("rounds", 1)
     return {s: run for s in order(rows, "shape")}
 
 
 def provenance(run):
+    vers = ", ".join(f"{k} {run[k]}" for k in VERSIONS if run.get(k))
     date = (run.get("date") or "date not recorded")[:10]
     commit = run.get("commit")
     pkg = f"package of {commit[:7]}" + (" with uncommitted changes" if run.get("dirty") else "") if commit \
         else "commit not recorded"
     n = run.get("rounds") or 1
     rounds = f"median of {n} interleaved rounds ±half their range" if n > 1 else "one round"
-    return f"{date}, {pkg}, {rounds}"
+    return f"{vers}; {date}, {pkg}, {rounds}"
 
 
 def caption(data, shapes, what):
-    """One line: GPU, versions, and per shape (or once, when they agree) date, commit and rounds."""
+    """One line: GPU, and per shape (or once, where they agree) versions, date, commit and rounds."""
     meta, rows = data["meta"], data["rows"]
     runs = runs_of(meta, rows)
-    vers = ", ".join(f"{k} {meta[k]}" for k in VERSIONS if meta.get(k))
-    per = {s: provenance(runs[s]) for s in shapes if s in runs}
-    if len(set(per.values())) == 1:
-        when = next(iter(per.values()))
+    shapes = [s for s in shapes if s in runs]
+    per = {s: provenance(runs[s]) for s in shapes}
+    gpus = list(dict.fromkeys(runs[s].get("gpu") or meta.get("gpu") for s in shapes)) or [meta.get("gpu")]
+    groups = {}  # provenance -> its shapes
+    for s, p in per.items():
+        groups.setdefault(p, []).append(s)
+    if len(groups) == 1:
+        when = next(iter(groups))
     else:
-        when = "; ".join(f"{s}: {p}" for s, p in per.items()) or "no runs recorded"
-    return f"One {meta.get('gpu')}, bf16, {what}; {vers}; {when} (`{JSON}`)."
+        when = "; ".join(f"{', '.join(ss)}: {p}" for p, ss in groups.items()) or "no runs recorded"
+    return f"One {' / '.join(str(g) for g in gpus)}, bf16, {what}; {when} (`{JSON}`)."
 
 
 # --- blocks --------------------------------------------------------------------------------------

@@ -158,7 +158,11 @@ def test_caption_names_each_shapes_run_when_they_differ(mods):
     data = synthetic()
     data["meta"]["shape_runs"]["S4"] = dict(data["meta"]["shape_runs"]["S4"], commit="fedcba9876", dirty=True)
     text = render.summary(data)
-    assert "S1: 2026-12-04, package of 0123456," in text and "S4: 2026-12-04, package of fedcba9 with uncommitted" in text
+    assert "; S1: torch 2.11.0, triton 3.6.0; 2026-12-04, package of 0123456, median of 3" in text
+    assert "; S4: torch 2.11.0, triton 3.6.0; 2026-12-04, package of fedcba9 with uncommitted changes" in text
+    data["meta"]["shape_runs"]["S2"] = data["meta"]["shape_runs"]["S1"]
+    data["rows"] += [dict(r, shape="S2") for r in data["rows"] if r["shape"] == "S1"]
+    assert "; S1, S2: torch 2.11.0" in render.full(data)
 
 
 def test_merge_replaces_the_shapes_run_and_keeps_the_others(mods):
