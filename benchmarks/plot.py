@@ -44,8 +44,17 @@ def e(x, spec=".1e"):
 
 
 def header(meta):
-    vers = ", ".join(f"{k} {meta[k]}" for k in ("torch", "triton", "liger-kernel", "cut-cross-entropy") if meta.get(k))
-    return f"GPU: {meta.get('gpu')} · {vers} · {meta.get('date')} · reference: {meta.get('reference', 'fp32 logits')}"
+    vers = ", ".join(f"{k} {meta[k]}" for k in ("torch", "triton", "liger-kernel", "cut-cross-entropy", "trl") if meta.get(k))
+    commit = f" · package of {meta['commit'][:7]}{' (dirty)' if meta.get('dirty') else ''}" if meta.get("commit") else ""
+    return f"GPU: {meta.get('gpu')} · {vers} · {meta.get('date')}{commit} · reference: {meta.get('reference', 'fp32 logits')}"
+
+
+def timed(row, key):
+    """'56.95' or, from several rounds, '56.95 [56.50-57.30]' (median [min-max])."""
+    text = e(row.get(key), ".2f")
+    if len(row.get(f"{key}_rounds") or ()) > 1:
+        text += f" [{row[f'{key}_min']:.2f}-{row[f'{key}_max']:.2f}]"
+    return text
 
 
 def table(data):
@@ -55,6 +64,10 @@ def table(data):
         mm = f", one matmul {s['matmul_tflops']:.0f} TFLOP/s" if s.get("matmul_tflops") else ""
         out.append(f"- {key}: mean p(target) {s['mean_p_target']:.3g}, logit std {s['logit_std']:.2f}, "
                    f"reference loss {s['ref_loss']:.3f}{mm}")
+    for shape, run in meta.get("shape_runs", {}).items():
+        out.append(f"- {shape}: {run.get('date')}, commit {run.get('commit') or 'not recorded'}"
+                   f"{' (dirty tree)' if run.get('dirty') else ''}, {run.get('rounds')} interleaved round(s), "
+                   "times median [min-max] over the rounds")
     for s in meta.get("skipped", []):
         out.append(f"- skipped {s}")
     for note in meta.get("notes", []):
@@ -69,7 +82,7 @@ def table(data):
         tf = "" if r.get("tflops") is None else f"{r['tflops']:.3g}"
         if r.get("pct_matmul") is not None and r["method"] != "matmul":
             tf += f" ({r['pct_matmul']:.0%})"
-        out.append(f"{lead} {e(r['fwd_ms'], '.2f')} | {e(r['fwdbwd_ms'], '.2f')} | {e(r['extra_mib'], '.1f')} | "
+        out.append(f"{lead} {timed(r, 'fwd_ms')} | {timed(r, 'fwdbwd_ms')} | {e(r['extra_mib'], '.1f')} | "
                    f"{e(r['dx_rel'])} | {e(r['dw_rel'])} | {tf} |")
     return "\n".join(out) + "\n"
 
