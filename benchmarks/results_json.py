@@ -2,8 +2,9 @@
 from several calls (S1-S3 in one, S4 in another).
 
 ``meta.commit`` / ``meta.dirty``: the commit of the package measured and whether the working tree
-differed from it (``git rev-parse HEAD`` / ``git status --porcelain``); where git is not there (a copy
-of the tree without .git), ``BENCH_COMMIT`` and ``BENCH_DIRTY`` from the environment, else None.
+differed from it: ``BENCH_COMMIT`` and ``BENCH_DIRTY`` from the environment where set (a copy of the
+tree on another machine, whose .git, if it travelled, names the copy's base and reports the copied
+changes as dirty), else ``git rev-parse HEAD`` / ``git status --porcelain``, else None.
 ``meta.shape_runs``: per shape, the date, commit, dirty flag, rounds and versions of the call that
 measured it (a JSON written before this key existed reads as one call for all its shapes).
 """
@@ -24,17 +25,18 @@ def _git(*args):
 
 
 def provenance():
-    """{"commit": sha | None, "dirty": bool | None, "commit_source": "git" | "BENCH_COMMIT" | None}."""
+    """{"commit": sha | None, "dirty": bool | None, "commit_source": "BENCH_COMMIT" | "git" | None}."""
+    commit = os.environ.get("BENCH_COMMIT") or None
+    if commit:
+        flag = os.environ.get("BENCH_DIRTY")
+        dirty = None if flag is None else flag.strip().lower() in ("1", "true", "yes")
+        return dict(commit=commit, dirty=dirty, commit_source="BENCH_COMMIT")
     try:
         commit = _git("rev-parse", "HEAD").strip()
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
         return dict(commit=commit, dirty=dirty, commit_source="git")
     except (OSError, subprocess.SubprocessError):
-        pass
-    commit = os.environ.get("BENCH_COMMIT") or None
-    flag = os.environ.get("BENCH_DIRTY")
-    dirty = None if flag is None else flag.strip().lower() in ("1", "true", "yes")
-    return dict(commit=commit, dirty=dirty, commit_source="BENCH_COMMIT" if commit else None)
+        return dict(commit=None, dirty=None, commit_source=None)
 
 
 RUN_KEYS = ("date", "commit", "dirty", "gpu", "torch", "triton", "liger-kernel", "cut-cross-entropy", "trl")

@@ -185,14 +185,16 @@ def test_merge_replaces_the_shapes_run_and_keeps_the_others(mods):
     assert got["meta"]["shape_runs"]["S4"]["commit"] is None and got["meta"]["shape_runs"]["S4"]["rounds"] == 1
 
 
-def test_provenance_from_git_else_the_environment(mods, monkeypatch, tmp_path):
+def test_provenance_from_the_environment_else_git(mods, monkeypatch, tmp_path):
     _, results_json = mods
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
     got = results_json.provenance()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert got["commit"] == head and got["commit_source"] == "git" and isinstance(got["dirty"], bool)
-    monkeypatch.setattr(results_json, "REPO", tmp_path)  # not a git checkout: a tree copied without .git
-    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")  # a copy whose travelled .git names its base: the variable wins
     monkeypatch.setenv("BENCH_DIRTY", "0")
+    assert results_json.provenance() == dict(commit="abc1234", dirty=False, commit_source="BENCH_COMMIT")
+    monkeypatch.setattr(results_json, "REPO", tmp_path)  # not a git checkout: a tree copied without .git
     assert results_json.provenance() == dict(commit="abc1234", dirty=False, commit_source="BENCH_COMMIT")
     monkeypatch.delenv("BENCH_COMMIT")
     monkeypatch.delenv("BENCH_DIRTY")
