@@ -84,7 +84,8 @@ GPU_SECONDS = {
     "test_compensated.py": 95,  # measured 91 (estimate was 10); 32 matmul tests, a compile per dtype and layout
     "test_master_weight.py": 150,  # measured 147 (estimate was 50); autocast cases (loss and per-token), two torch.compile, one GPU memory case
     "test_correctness.py": 325,  # measured 322 (estimate was 340); 134 cases x ~2.5 s (compiles per specialisation), 6 at GPU sizes
-    "test_determinism.py": 40,  # measured 38 (estimate was 20)
+    "test_determinism.py": 40,
+    "test_double_backward.py": 30,  # estimate: 18 small cases of two or three backwards, one inductor compile per path  # measured 38 (estimate was 20)
     "test_examples.py": 20,  # measured 15 (estimate was 120); trains the Llama example twice in a subprocess
     "test_extremes.py": 35,  # measured 32 (estimate was 60)
     "test_fuzz.py": 180,  # measured 179 (estimate was 100); 100 hypothesis examples on the GPU

@@ -54,7 +54,8 @@ def fused_linear_logprobs(
             exponentials of all rows, N x V in the input dtype, and the backward turns them into the
             logits' gradient in place: one product fewer, for that buffer from the forward to the
             backward; it must fit in ``chunk_bytes`` (256 MiB by default) and cannot take a softcap with the entropy
-            (ValueError), and it backwards once per forward. "auto" (default): "chunked" where it is
+            (ValueError). The first backward spends that buffer: a later one through the same graph
+            (``retain_graph=True``) recomputes as "recompute" does. "auto" (default): "chunked" where it is
             possible, else "recompute". Without gradients (``torch.no_grad``, a reference model)
             both run the forward sweep alone.
 

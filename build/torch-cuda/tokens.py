@@ -22,8 +22,9 @@ The two ways through the backward (``keeps_exponentials``):
   form the gradients as the loss's chunked path does (dW needs them); instead it keeps the sweep's
   exponentials ``exp(z - m_tile)`` of all N rows, (N, V) in the input dtype, and the backward turns
   them into da in place and runs the two products: three in all, for an (N, V) buffer held from the
-  forward to the backward (it must fit in ``chunk_bytes``). One backward per forward: the buffer is
-  spent by it.
+  forward to the backward (it must fit in ``chunk_bytes``). The first backward spends the buffer; a
+  later one through the same graph (``retain_graph=True``) takes the recompute path's backward from
+  the inputs and the per-row statistics, which the forward keeps either way (``_backward``).
 """
 
 import math
@@ -274,6 +275,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[2:])
     entropy = output[1] if "entropy" in o["outputs"] else None
     ctx.save_for_backward(hidden, weight, bias, targets, output[5], entropy, output[6], output[7], scalars_)
+    ctx.spent = False  # the chunked path's exponentials, once a backward has turned them into da
 
 
 def _backward(ctx, grad_lp, grad_ent, *_rest):
@@ -284,12 +286,16 @@ def _backward(ctx, grad_lp, grad_ent, *_rest):
         return nothing
     hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_ = ctx.saved_tensors
     o = ctx.options
-    if ctx.chunked:
-        # The backward turns the saved exponentials into the gradient in place (the op declares the
-        # mutation): a second backward through the same graph is refused by autograd's version check.
-        dx, dw, db = token_backward_chunked(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, exps,
-                                            tile_max, scalars_, o["ignore_index"], o["has_softcap"], o["group_id"],
-                                            *ctx.needs)
+    if ctx.chunked and not ctx.spent:
+        # The first backward turns the saved exponentials into da in place (the op declares the
+        # mutation). It writes through ``.data``, which autograd does not version: a later backward
+        # through the same graph (retain_graph=True) can still unpack the inputs and statistics saved
+        # beside them, and ``spent`` sends it to the recompute backward below, which reads only those
+        # (the same gradients, rounded as that path rounds them), at no cost to a single backward.
+        ctx.spent = True
+        dx, dw, db = token_backward_chunked(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy,
+                                            exps.data, tile_max, scalars_, o["ignore_index"], o["has_softcap"],
+                                            o["group_id"], *ctx.needs)
     else:
         dx, dw, db = token_backward(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_,
                                     o["ignore_index"], o["has_softcap"], o["chunk_bytes"], o["group_id"], *ctx.needs)

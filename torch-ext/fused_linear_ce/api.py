@@ -127,7 +127,9 @@ def fused_linear_cross_entropy(
             128256): the chunked path within ``chunk_bytes`` (default 512 MiB there), grad_weight summed
             across chunks as a bf16 + 4-bit pair (V x H / 2 bytes, ~12 bits of each partial sum) and
             chunks of rows in the rest, when at least 1024 rows fit; else "recompute". The
-            chunked path holds the gradients from the forward to the backward. Without gradients
+            chunked path holds the gradients from the forward to the backward, and its first backward
+            scales bf16 / fp32 ones in place into ``.grad``: a second through the same graph
+            (``retain_graph=True``) raises, where "recompute" backwards any number of times. Without gradients
             (``torch.no_grad``, nothing requires grad) both run the forward sweep only.
 
     Returns:

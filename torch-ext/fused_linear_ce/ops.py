@@ -183,6 +183,7 @@ def _setup_context(ctx, inputs, output):
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
+        ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``_backward``)
     else:
         ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor, scalars_)
 
@@ -221,7 +222,24 @@ def _(grad, grad_loss):
     return None
 
 
+def _spent(names) -> RuntimeError:
+    """The error of a backward through a graph whose chunked-path gradients an earlier backward
+    scaled in place: they are the leaves' gradients now (autograd may have made that very tensor
+    ``.grad``), and recomputing them would need ``hidden``, which this path does not keep: keeping
+    it would cost every single backward N x H bytes."""
+    return RuntimeError(
+        "fused_linear_cross_entropy: a second backward through the same graph (retain_graph=True) on the chunked "
+        "path (strategy=\"chunked\", or \"auto\" for this call) is not supported: its forward computed the "
+        f"gradients, the first backward scaled those of {' and '.join(names)} in place into the leaves' gradients, "
+        "and the path does not keep hidden to compute them again. Use strategy=\"recompute\", whose every backward "
+        "recomputes the gradients, to backward through one graph more than once.")
+
+
 def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
+    # Before anything is read or written. (A graph freed without retain_graph=True never gets here:
+    # autograd raises its own error before it calls a backward whose saved tensors are freed.)
+    if ctx.chunked and ctx.spent:
+        raise _spent(ctx.spent)
     need_dx, need_dw, need_db = ctx.needs
     o = ctx.options
     if grad_loss is None:  # only the lse reaches the loss: the loss's own gradient is 0
@@ -236,13 +254,14 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
         saved = ctx.saved_tensors
         # A gradient already in its leaf's dtype (bf16 and fp32 inputs, an fp32 master weight) is
         # scaled where it is and becomes the leaf's gradient: no second gradient-sized tensor (a
-        # V x H one) at the backward's peak; a second backward through the same graph then fails
-        # autograd's version check instead of scaling it twice. fp16's fp32 unit gradients and the
-        # bias's fp32 sums are scaled into new tensors of the leaves' dtypes, and so is everything
-        # under create_graph=True (differentiating the result must reach ``scale_gradients`` and
-        # raise its clear error).
+        # V x H one) at the backward's peak; a later backward through the same graph then raises
+        # (``_spent``) instead of scaling it twice. fp16's fp32 unit gradients and the bias's fp32
+        # sums are scaled into new tensors of the leaves' dtypes, and so is everything under
+        # create_graph=True (differentiating the result must reach ``scale_gradients`` and raise its
+        # clear error): those stay as the forward left them, for any number of backwards.
         in_place = [need and t.dtype == d and not torch.is_grad_enabled()
                     for t, d, need in zip(saved[:2], ctx.dtypes[:2], (need_dx, need_dw))]
+        ctx.spent = tuple(name for name, yes in zip(("hidden", "weight"), in_place) if yes)
         for t, yes in zip(saved[:2], in_place):
             if yes:
                 scale_in_place(t, grad_loss)
