@@ -68,10 +68,13 @@ def chunk_rows(n: int, v: int, chunk_bytes: int | None) -> int:
     return rows // ROW_ALIGN * ROW_ALIGN if rows >= ROW_ALIGN else rows
 
 
-def block_v(v: int) -> int:
-    """The row kernel's vocabulary block: 1024 on a GPU, 128 on the interpreter (several blocks a
-    row at the tests' sizes), never past V's next power of two."""
-    return min(128 if device.interpreted() else 1024, triton.next_power_of_2(v))
+def row_blocks(r: int, v: int) -> tuple[int, int]:
+    """The row kernel's (BLOCK_N, BLOCK_V): one row of 1024-class blocks a program on a GPU (not
+    measured); on the interpreter, whose cost is per operation, up to 32 rows of 256 classes
+    (still several blocks a row, and of rows, at the tests' sizes)."""
+    if device.interpreted():
+        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v))
+    return 1, min(1024, triton.next_power_of_2(v))
 
 
 def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -92,16 +95,17 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
     log_b = math.log(beta) if beta > 0 else 0.0
     b_s, b_t = biases
     dummy = stats
-    divergence_row_kernel[(r,)](
+    rows, cols = row_blocks(r, v)
+    divergence_row_kernel[(triton.cdiv(r, rows),)](
         zs, zt, da if da is not None else zt, b_s if b_s is not None else dummy, b_t if b_t is not None else dummy,
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
-        out if out is not None else dummy, row0, v, n, zs.stride(0), zt.stride(0),
+        out if out is not None else dummy, row0, r, v, n, zs.stride(0), zt.stride(0),
         da.stride(0) if da is not None else 0, targets.stride(0) if targets is not None else 0,
         scale_s, cap_s, cap_out_s, chain_s, scale_t, cap_t, cap_out_t, beta, log_a, log_b,
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
-        BLOCK_V=block_v(v), BF16_EMULATION=device.bf16_emulation(dtype),
+        BLOCK_N=rows, BLOCK_V=cols, BF16_EMULATION=device.bf16_emulation(dtype),
         num_warps=1 if device.interpreted() else 4,
     )
 
@@ -205,11 +209,12 @@ def _lift(coef: torch.Tensor):
 class DivergenceFunction(torch.autograd.Function):
     """(divergence per row or reduced, entropy (N,), log_probs (N,)) of the student's tensors; the
     teacher's come detached. ``denominator``: None for "none", else a 0-d fp32 device tensor
-    (count of counted rows, num_items_in_batch, or 1 for "sum")."""
+    (count of counted rows, num_items_in_batch, or 1 for "sum"). ``grad``: whether gradients are
+    enabled at the call (inside ``forward`` they never are)."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec):
-        needs = tuple(ctx.needs_input_grad[:3])
+    def forward(ctx, hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec, grad: bool):
+        needs = tuple(grad and need for need in ctx.needs_input_grad[:3])
         student, teacher = (hs, ws, bs), (ht, wt, bt)
         chunked = spec.strategy == "chunked" and any(needs)
         unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
@@ -247,4 +252,4 @@ class DivergenceFunction(torch.autograd.Function):
                 coef[1] = grad_lp.float()
             more = backward(student, teacher, targets, counted, stats, coef, spec, needs)
             grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)

@@ -118,7 +118,7 @@ def fused_linear_divergence(
     h_t = ht.reshape(n, ht.shape[-1]).detach()
     div, entropy, log_probs = DivergenceFunction.apply(
         h_s, ws, bs, h_t, wt.detach(), bt.detach() if bt is not None else None, flat_targets,
-        counted.to(torch.int8), denominator, spec)
+        counted.to(torch.int8), denominator, spec, torch.is_grad_enabled())
     if reduction == "none":
         div = div.reshape(lead)
     if not fields:
