@@ -13,7 +13,7 @@ Two strategies:
 - "chunked" ("mean" / "sum": the upstream gradient is one scalar g): the forward forms da with unit
   coefficients (1 on counted rows) and runs all four products; the common factor (1 / count, or
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
-  by g (``ops.scale_gradients``). A gradient reaching ``log_probs`` is added by a recompute
+  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient reaching ``log_probs`` is added by a recompute
   backward of that term alone (its upstream is only known then).
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three
   fp32 statistics a row (lse_s, lse_t, sum_v p_s g); the backward recomputes each chunk's logits and
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import device, ops, products
+from . import device, products
 from .divergence_kernel import divergence_row_kernel
 from .validate import Options
 
@@ -204,52 +204,3 @@ def _lift(coef: torch.Tensor):
     top = coef.abs().amax()
     s = torch.exp2(torch.ceil(torch.log2(torch.where(top > 0, top, torch.ones_like(top)))))
     return coef / s, s.reshape(1).to(torch.float32)
-
-
-class DivergenceFunction(torch.autograd.Function):
-    """(divergence per row or reduced, entropy (N,), log_probs (N,)) of the student's tensors; the
-    teacher's come detached. ``denominator``: None for "none", else a 0-d fp32 device tensor
-    (count of counted rows, num_items_in_batch, or 1 for "sum"). ``grad``: whether gradients are
-    enabled at the call (inside ``forward`` they never are)."""
-
-    @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec, grad: bool):
-        needs = tuple(grad and need for need in ctx.needs_input_grad[:3])
-        student, teacher = (hs, ws, bs), (ht, wt, bt)
-        chunked = spec.strategy == "chunked" and any(needs)
-        unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
-        out, stats, dx, dw, db = forward(student, teacher, targets, counted, spec, needs if chunked else (False,) * 3,
-                                         unscale)
-        # Separate tensors, not views of ``out``: autograd treats each output on its own.
-        rows, entropy, log_probs = (t.clone() for t in out)
-        div = rows if denominator is None else rows.sum() / denominator
-        ctx.spec, ctx.needs, ctx.chunked = spec, needs, chunked
-        ctx.dtypes = (hs.dtype, ws.dtype, bs.dtype if bs is not None else hs.dtype)
-        ctx.has_denominator = denominator is not None
-        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, targets, counted, stats, denominator, dx, dw, db)
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(entropy)
-        return div, entropy, log_probs
-
-    @staticmethod
-    def backward(ctx, grad_div, _grad_entropy, grad_lp):
-        hs, ws, bs, ht, wt, bt, targets, counted, stats, denominator, dx, dw, db = ctx.saved_tensors
-        student, teacher = (hs, ws, bs), (ht, wt, bt)
-        spec, needs = ctx.spec, ctx.needs
-        n = hs.shape[0]
-        grads = [None, None, None]
-        if ctx.chunked and grad_div is not None:
-            empty = hs.new_empty((0,))
-            grads = list(ops.scale_gradients(*(t if t is not None else empty for t in (dx, dw, db)),
-                                             grad_div.reshape(()), *ctx.dtypes))
-            grads = [g if need else None for g, need in zip(grads, needs)]
-            grad_div = None
-        if grad_div is not None or grad_lp is not None:
-            coef = torch.zeros((2, n), dtype=torch.float32, device=hs.device)
-            if grad_div is not None:
-                coef[0] = grad_div.float() / denominator if ctx.has_denominator else grad_div.float()
-            if grad_lp is not None:
-                coef[1] = grad_lp.float()
-            more = backward(student, teacher, targets, counted, stats, coef, spec, needs)
-            grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
-        return (*grads, None, None, None, None, None, None, None, None)

@@ -286,6 +286,33 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("strategy,reduction", [("chunked", "mean"), ("recompute", "none")])
+def test_compiles_without_a_graph_break_and_equals_eager(strategy, reduction):
+    """torch.compile(fullgraph=True) over the two custom ops, the temperature a traced float (no
+    recompile per value): the same divergence, log-probs and gradients as eager."""
+    inputs = _inputs(torch.float32, bias=True)
+    g = torch.Generator().manual_seed(5)
+    up, up_lp = torch.randn(N, generator=g).to(DEVICE), torch.randn(N, generator=g).to(DEVICE)
+    fixed = {k: v for k, v in inputs.items() if not k.startswith("student")}
+
+    def step(hs, ws, bs, temperature):
+        div, fields = fused_linear_divergence(hs, ws, student_bias=bs, beta=0.3, temperature=temperature,
+                                              strategy=strategy, reduction=reduction, outputs=("log_probs",),
+                                              **fixed)
+        return (div * (up if reduction == "none" else 1.0)).sum() + (fields["log_probs"] * up_lp).sum()
+
+    compiled = torch.compile(step, backend="aot_eager" if not ON_GPU else "inductor", fullgraph=True)
+    for temperature in (1.0, 0.7):
+        leaves = [[t.detach().clone().requires_grad_() for t in _leaves(inputs)] for _ in range(2)]
+        expected = step(*leaves[0], temperature)
+        got = compiled(*leaves[1], temperature)
+        expected.backward()
+        got.backward()
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+        for a, b in zip(leaves[1], leaves[0]):
+            assert rel_err(a.grad, b.grad) < 1e-6
+
+
 def _no_kernel(*args, **kwargs):
     raise AssertionError("a kernel ran before the input check")
 
