@@ -129,12 +129,13 @@ def _run_head(apply, inputs, beta, args):
     return div, entropy, [t.grad for t in leaves]
 
 
-HEAD_GRID = [(torch.float32, 0.0, ()), (torch.float32, 0.4, (0.8, 1.2, 5.0, 0.9, 3.0)),
-             (torch.float16, 1.0, (0.8, 1.2, 5.0, 0.9, 3.0))]
+CAPS = (0.8, 1.2, 5.0, 0.9, 3.0)  # temperature, student scale and softcap, teacher scale and softcap
+HEAD_GRID = [(torch.float32, 0.0, ()), (torch.float32, 0.4, CAPS), (torch.float32, 1.0, (1.3,)),
+             (torch.float16, 0.0, CAPS), (torch.float16, 0.4, ()), (torch.float16, 1.0, CAPS)]
 
 
-@pytest.mark.parametrize("dtype, beta, args", HEAD_GRID, ids=["fp32-beta0-defaults", "fp32-beta0.4-temp-scales-caps",
-                                                              "fp16-beta1-temp-scales-caps"])
+@pytest.mark.parametrize("dtype, beta, args", HEAD_GRID,
+                         ids=[f"{str(d)[-7:]}-beta{b}-{len(a)}args" for d, b, a in HEAD_GRID])
 def test_per_token_head_matches_trls(dtype, beta, args):
     """``ChunkedDivergenceFunction.apply``, TRL's positional arguments, a random upstream gradient per token."""
     inputs = _inputs(dtype, seed=5)
