@@ -255,7 +255,7 @@ def test_distillation_trainer_with_use_in_trl_matches_trls_own_head(tmp_path, re
     real = trl_distill._loss
 
     def counted(*args):
-        calls.append(args[0].shape)
+        calls.append(args[6])  # num_items_in_batch
         return real(*args)
 
     monkeypatch.setattr(trl_distill, "_loss", counted)
@@ -264,6 +264,7 @@ def test_distillation_trainer_with_use_in_trl_matches_trls_own_head(tmp_path, re
     fused_linear_ce.use_in_trl()
     fused_logs, fused_grads, fused_params = _train(tmp_path, "fused")
     assert len(calls) == 3, "DistillationTrainer did not call our loss"
+    assert all(isinstance(items, torch.Tensor) for items in calls)  # the Trainer's count of completion tokens
     assert len(fused_logs) == len(plain_logs) == 3
     for mine, theirs in zip(fused_logs, plain_logs):
         for key in ("loss", "entropy", "grad_norm"):
