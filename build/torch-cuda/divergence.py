@@ -169,10 +169,11 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None)
     return (out, stats, *grads)
 
 
-def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs):
+def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs, dw_dtype=None):
     """The gradients for per-row coefficients ``coef`` (2, N) fp32 (the divergence's and the target
     log-prob's upstream), by recomputing each chunk's logits: (grad_hidden in hidden's dtype,
-    grad_weight and grad_bias in their leaves' dtypes), None where not needed."""
+    grad_weight in ``dw_dtype`` (default the weight's: float32 for an fp32 master weight, whose
+    16-bit copy ``student`` holds), grad_bias in the bias's dtype), None where not needed."""
     hidden, weight, bias = student
     n, h = hidden.shape
     v = weight.shape[0]
@@ -193,7 +194,7 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs)
                 values=False, write_da=True, stats_known=True, dtype=dtype)
         _gradient_products(da, student, sl, grads, unscale, row0 == 0)
     dx, dw, db = grads
-    return (dx, dw.to(weight.dtype) if dw is not None else None,
+    return (dx, dw.to(dw_dtype or weight.dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
 
 

@@ -26,6 +26,13 @@ def _spec(scalars: Optional[torch.Tensor], has_s_cap: bool, has_t_cap: bool, red
                 reduction=reduction, strategy=strategy, chunk_bytes=chunk_bytes)
 
 
+def _low(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The student weight in hidden's dtype: an fp32 master weight under a 16-bit autocast
+    (``validate.is_master_weight``) is cast here, once per op, and its gradient stays the products'
+    fp32 sum (never rounded to 16 bits)."""
+    return weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+
+
 def _chunked(strategy: str, need_dx: bool, need_dw: bool, need_db: bool) -> bool:
     return strategy == "chunked" and (need_dx or need_dw or need_db)
 
@@ -45,7 +52,8 @@ def divergence_forward(
     chunked = _chunked(strategy, need_dx, need_dw, need_db)
     unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
     needs = (need_dx, need_dw, need_db) if chunked else (False,) * 3
-    out, stats, *grads = divergence.forward((hs, ws, bs), (ht, wt, bt), targets, counted, spec, needs, unscale)
+    out, stats, *grads = divergence.forward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, spec, needs,
+                                            unscale)
     rows, entropy, log_probs = (t.clone() for t in out)  # distinct outputs
     div = rows if denominator is None else rows.sum() / denominator
     grads = [g if g is not None else hs.new_empty((0,)) for g in grads]
@@ -79,8 +87,8 @@ def divergence_backward(
     (the divergence's and the log-prob's upstream), recomputing the logits; empty (0,) where not
     needed."""
     spec = _spec(scalars, has_s_cap, has_t_cap, "none", "recompute", chunk_bytes)
-    grads = divergence.backward((hs, ws, bs), (ht, wt, bt), targets, counted, stats, coef, spec,
-                                (need_dx, need_dw, need_db))
+    grads = divergence.backward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, stats, coef, spec,
+                                (need_dx, need_dw, need_db), dw_dtype=ws.dtype)
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
 

@@ -245,15 +245,26 @@ def test_nothing_counted():
     assert torch.isnan(fused_linear_divergence(**inputs, beta=0.3, mask=mask))
 
 
-def test_autocast_matches_explicit_cast():
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+def test_autocast_master_weight(strategy):
+    """Under a 16-bit autocast the operands go in fp16 (the same divergence as an explicit cast), and
+    the fp32 student weight's gradient is the products' fp32 sum of the fp16 da, never rounded to
+    fp16 itself (its entries are not all fp16 values), within fp16's tolerance of float64."""
     inputs = _inputs(torch.float32)
     with torch.autocast(DEVICE.type, dtype=torch.float16):
-        a = fused_linear_divergence(**inputs, beta=0.3)
+        a = fused_linear_divergence(**inputs, beta=0.3, strategy=strategy)
     half = {k: (v.detach().half() if v.is_floating_point() else v) for k, v in inputs.items()}
-    b = fused_linear_divergence(**half, beta=0.3)
+    with torch.no_grad():
+        b = fused_linear_divergence(**half, beta=0.3)
     assert a.dtype == torch.float32 and torch.equal(a, b)
     a.backward()
-    assert inputs["student_weight"].grad.dtype == torch.float32
+    grad = inputs["student_weight"].grad
+    assert grad.dtype == torch.float32
+    leaves = {k: (v.double().requires_grad_(k == "student_weight") if v.is_floating_point() else v)
+              for k, v in half.items()}
+    want = torch.autograd.grad(reference.linear_divergence(**leaves, beta=0.3), leaves["student_weight"])[0]
+    assert rel_err(grad, want) <= GRAD_TOL[torch.float16]
+    assert (grad != grad.half().float()).any()
 
 
 BAD = {
