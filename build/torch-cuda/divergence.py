@@ -130,7 +130,7 @@ def _gradient_products(da, student, sl, grads, unscale, first: bool):
     if dw is not None:
         products.matmul(da.t(), student[0][sl], dw, not first, unscale)
     if db is not None:
-        db += da.float().sum(0) * unscale
+        db += torch.sum(da, 0, dtype=torch.float32) * unscale  # summed in fp32, no fp32 copy of da
 
 
 def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None):
