@@ -13,8 +13,9 @@ Two strategies:
 - "chunked" ("mean" / "sum": the upstream gradient is one scalar g): the forward forms da with unit
   coefficients (1 on counted rows) and runs all four products; the common factor (1 / count, or
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
-  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient reaching ``log_probs`` is added by a recompute
-  backward of that term alone (its upstream is only known then).
+  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
+  reaching ``log_probs`` is added by a recompute backward of that term alone (its upstream is only
+  known then).
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three
   fp32 statistics a row (lse_s, lse_t, sum_v p_s g); the backward recomputes each chunk's logits and
   forms da in one pass with each row's upstream folded in: six products in all. The per-row
