@@ -15,7 +15,7 @@ Two strategies:
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
   by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
   reaching ``log_probs`` is added by a recompute backward of that term alone (its upstream is only
-  known then).
+  known then): the student's logits and its two gradient products, three a chunk.
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three
   fp32 statistics a row (lse_s, lse_t, sum_v p_s g); the backward recomputes each chunk's logits and
   forms da in one pass with each row's upstream folded in: six products in all. The per-row
@@ -87,7 +87,7 @@ def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spec: Spec, *, values: bool,
-            write_da: bool, stats_known: bool, dtype):
+            write_da: bool, stats_known: bool, dtype, div_grad: bool = True):
     r, v = zs.shape
     scale_s, cap_s, cap_out_s, chain_s = spec.student.kernel_scales()
     scale_t, cap_t, cap_out_t, _ = spec.teacher.kernel_scales()
@@ -106,6 +106,7 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
+        DIV_GRAD=div_grad,
         BLOCK_N=rows, BLOCK_V=cols, BF16_EMULATION=device.bf16_emulation(dtype),
         num_warps=1 if device.interpreted() else 4,
     )
@@ -117,9 +118,11 @@ def _buffers(n: int, v: int, spec: Spec, where):
 
 
 def _logits(student, teacher, sl, zs, zt):
-    """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it)."""
+    """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it); the teacher's only
+    when ``teacher`` is given."""
     products.matmul(student[0][sl], student[1].t(), zs, False)
-    products.matmul(teacher[0][sl], teacher[1].t(), zt, False)
+    if teacher is not None:
+        products.matmul(teacher[0][sl], teacher[1].t(), zt, False)
 
 
 def _gradient_products(da, student, sl, grads, unscale, first: bool):
@@ -170,9 +173,10 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None)
     return (out, stats, *grads)
 
 
-def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs, dw_dtype=None):
+def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs, dw_dtype=None, div_grad=True):
     """The gradients for per-row coefficients ``coef`` (2, N) fp32 (the divergence's and the target
-    log-prob's upstream), by recomputing each chunk's logits: (grad_hidden in hidden's dtype,
+    log-prob's upstream), by recomputing each chunk's logits (without ``div_grad``, the log-prob's
+    term alone: the student's logits only, three products a chunk): (grad_hidden in hidden's dtype,
     grad_weight in ``dw_dtype`` (default the weight's: float32 for an fp32 master weight, whose
     16-bit copy ``student`` holds), grad_bias in the bias's dtype), None where not needed."""
     hidden, weight, bias = student
@@ -189,10 +193,10 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
         zs, zt = zs_buf[:r], zt_buf[:r]
-        _logits(student, teacher, sl, zs, zt)
+        _logits(student, teacher if div_grad else None, sl, zs, zt)
         da = _da_view(zt, dtype)
         _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, row0, n, spec,
-                values=False, write_da=True, stats_known=True, dtype=dtype)
+                values=False, write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
         _gradient_products(da, student, sl, grads, unscale, row0 == 0)
     dx, dw, db = grads
     return (dx, dw.to(dw_dtype or weight.dtype) if dw is not None else None,

@@ -81,20 +81,20 @@ def divergence_backward(
     coef: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor], ht: torch.Tensor,
     wt: torch.Tensor, bt: Optional[torch.Tensor], targets: Optional[torch.Tensor], counted: torch.Tensor,
     stats: torch.Tensor, scalars: torch.Tensor, has_s_cap: bool, has_t_cap: bool, chunk_bytes: Optional[int],
-    need_dx: bool, need_dw: bool, need_db: bool,
+    need_dx: bool, need_dw: bool, need_db: bool, div_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of the student for per-row coefficients ``coef`` (2, N)
     (the divergence's and the log-prob's upstream), recomputing the logits; empty (0,) where not
-    needed."""
+    needed. ``div_grad`` False: the log-prob's term alone (coef[0] unused, no teacher product)."""
     spec = _spec(scalars, has_s_cap, has_t_cap, "none", "recompute", chunk_bytes)
     grads = divergence.backward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, stats, coef, spec,
-                                (need_dx, need_dw, need_db), dw_dtype=ws.dtype)
+                                (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
 
 @divergence_backward.register_fake
 def _(coef, hs, ws, bs, ht, wt, bt, targets, counted, stats, scalars, has_s_cap, has_t_cap, chunk_bytes, need_dx,
-      need_dw, need_db):
+      need_dw, need_db, div_grad):
     empty = hs.new_empty((0,))
     return (hs.new_empty(hs.shape) if need_dx else empty, ws.new_empty(ws.shape) if need_dw else empty,
             ws.new_empty((ws.shape[0],)) if need_db and bs is not None else empty)
@@ -132,7 +132,8 @@ def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
                                                else grad_div.float()).expand(hs.shape[0])
         c_lp = zero if grad_lp is None else grad_lp.float()
         more = divergence_backward(torch.stack([c_div, c_lp]), hs, ws, bs, ht, wt, bt, targets, counted, stats,
-                                   scalars, o["has_s_cap"], o["has_t_cap"], o["chunk_bytes"], *needs)
+                                   scalars, o["has_s_cap"], o["has_t_cap"], o["chunk_bytes"], *needs,
+                                   grad_div is not None)
         more = [m if need else None for m, need in zip(more, needs)]
         grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
     return (*grads, None, None, None, None, None, None, None) + (None,) * len(_OPTIONS)
