@@ -125,24 +125,37 @@ def _logits(student, teacher, sl, zs, zt):
         products.matmul(teacher[0][sl], teacher[1].t(), zt, False)
 
 
-def _gradient_products(da, student, sl, grads, unscale, first: bool):
-    """grad_hidden[rows] = da @ W_s, grad_weight (+)= da^T @ h_s[rows] (fp32), grad_bias += column
-    sums, each times ``unscale`` ((1,) fp32) in fp32 before its one rounding."""
+def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the "chunked" strategy's weight gradient from the forward: bf16 for bf16 inputs
+    (one chunk: rounded once; several: summed as a bf16 + int8 compensated pair,
+    ``products.compensated``, ~16 bits of each partial sum), else fp32 (fp32 inputs, fp16's
+    often-subnormal unit gradients, an fp32 master weight): an exact fp32 accumulator."""
+    return torch.bfloat16 if hidden_dtype == weight_dtype == torch.bfloat16 else torch.float32
+
+
+def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
+    """grad_hidden[rows] = da @ W_s, grad_weight (+)= da^T @ h_s[rows], grad_bias += column sums,
+    each times ``unscale`` ((1,) fp32) in fp32 before its rounding. A bf16 grad_weight with ``lo``
+    (several chunks) is summed as a compensated pair, without ``lo`` written once."""
     dx, dw, db = grads
     if dx is not None:
         products.product(da, student[1], dx[sl], False, unscale)
-    if dw is not None:
+    if dw is not None and dw.dtype == torch.float32:
         products.matmul(da.t(), student[0][sl], dw, not first, unscale)
+    elif dw is not None and lo is not None:
+        products.compensated(da.t(), student[0][sl], dw, lo, not first, unscale)
+    elif dw is not None:
+        products.product(da.t(), student[0][sl], dw, False, unscale)
     if db is not None:
         db += torch.sum(da, 0, dtype=torch.float32) * unscale  # summed in fp32, no fp32 copy of da
 
 
-def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None):
+def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None, dw_dtype=torch.float32):
     """The values and, with any of ``needs`` (dx, dw, db) and ``unscale``, the gradients of
     sum_rows(counted divergence) * unscale (the "chunked" strategy). ``student``/``teacher``:
     (hidden (N, H), weight (V, H), bias or None). Returns (out (3, N): divergence, entropy, target
-    log-prob; stats (3, N); grad_hidden (unit dtype: fp32 for fp16 inputs), grad_weight (fp32),
-    grad_bias (fp32), None where not needed)."""
+    log-prob; stats (3, N); grad_hidden (unit dtype: fp32 for fp16 inputs), grad_weight
+    (``dw_dtype``, ``weight_grad_dtype``), grad_bias (fp32), None where not needed)."""
     hidden, weight, bias = student
     n, h = hidden.shape
     v = weight.shape[0]
@@ -158,8 +171,11 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None)
         coef = torch.zeros((2, n), dtype=torch.float32, device=where)
         coef[0] = 1.0
         grads = (device.new((n, h), torch.float32 if dtype == torch.float16 else dtype, where) if need_dx else None,
-                 device.new((v, h), torch.float32, where) if need_dw else None,
+                 device.new((v, h), dw_dtype, where) if need_dw else None,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
+    lo = None
+    if need_dw and dw_dtype != torch.float32 and rows < n:  # the pair's int8 remainder, V x H bytes
+        lo = products.compensation_buffer(grads[1], torch.int8)
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
@@ -169,7 +185,7 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None)
         _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, row0, n, spec,
                 values=True, write_da=write, stats_known=False, dtype=dtype)
         if write:
-            _gradient_products(da, student, sl, grads, unscale, row0 == 0)
+            _gradient_products(da, student, sl, grads, unscale, row0 == 0, lo)
     return (out, stats, *grads)
 
 

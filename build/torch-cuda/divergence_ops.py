@@ -53,7 +53,7 @@ def divergence_forward(
     unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
     needs = (need_dx, need_dw, need_db) if chunked else (False,) * 3
     out, stats, *grads = divergence.forward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, spec, needs,
-                                            unscale)
+                                            unscale, divergence.weight_grad_dtype(hs.dtype, ws.dtype))
     rows, entropy, log_probs = (t.clone() for t in out)  # distinct outputs
     div = rows if denominator is None else rows.sum() / denominator
     grads = [g if g is not None else hs.new_empty((0,)) for g in grads]
@@ -72,7 +72,8 @@ def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, has_s_cap,
     return (rows if denominator is None else hs.new_empty((), dtype=torch.float32), rows.new_empty((n,)),
             rows.new_empty((n,)), rows.new_empty((3, n)),
             hs.new_empty((n, h), dtype=unit) if chunked and need_dx else empty,
-            hs.new_empty((v, h), dtype=torch.float32) if chunked and need_dw else empty,
+            hs.new_empty((v, h), dtype=divergence.weight_grad_dtype(hs.dtype, ws.dtype)) if chunked and need_dw
+            else empty,
             hs.new_empty((v,), dtype=torch.float32) if chunked and need_db else empty)
 
 
@@ -123,8 +124,19 @@ def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
     needs = ctx.computed
     grads = [None, None, None]
     if ctx.chunked and grad_div is not None:
-        scaled = ops.scale_gradients(dx, dw, db, grad_div.reshape(()), *ctx.dtypes)
-        grads = [g if need else None for g, need in zip(scaled, needs)]
+        g = grad_div.reshape(())
+        # A gradient already in its leaf's dtype is scaled where it is (no second V x H tensor at
+        # the backward's peak; a second backward through the graph then fails autograd's version
+        # check); the rest, and everything under create_graph, into new tensors (``ops._backward``).
+        in_place = [need and t.dtype == d and not torch.is_grad_enabled()
+                    for t, d, need in zip((dx, dw), ctx.dtypes[:2], needs[:2])]
+        for t, yes in zip((dx, dw), in_place):
+            if yes:
+                ops.scale_in_place(t, g)
+        rest = [t.new_empty((0,)) if yes else t for t, yes in zip((dx, dw), in_place)]
+        scaled = list(ops.scale_gradients(*rest, db, g, *ctx.dtypes))
+        scaled[:2] = [t if yes else s for t, s, yes in zip((dx, dw), scaled[:2], in_place)]
+        grads = [s if need else None for s, need in zip(scaled, needs)]
         grad_div = None
     if grad_div is not None or grad_lp is not None:
         zero = hs.new_zeros((hs.shape[0],), dtype=torch.float32)
