@@ -70,7 +70,9 @@ def fused_linear_divergence(
             student's log-prob of ``targets``, differentiable): returned in a dict beside the
             divergence, each (...) fp32, 0 on uncounted rows.
         chunk_bytes: the memory knob: one chunk's two fp32 (R, V) logit buffers, R x V x 8 bytes
-            (default 512 MiB); the gradients come on top (an fp32 V x H_s weight-gradient accumulator).
+            (default 512 MiB). The gradients come on top, with the weight's summed over chunks in fp32
+            (4 V x H_s bytes; bf16 on the chunked strategy: a bf16 + int8 pair, its own bytes and
+            V x H_s more).
         strategy: "chunked" (the gradients formed in the forward, four products a chunk; the backward
             scales them; "mean" / "sum" only), "recompute" (the forward computes values with two
             products a chunk, the backward recomputes the logits: six in all), or "auto" (default):

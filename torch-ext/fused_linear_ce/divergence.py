@@ -6,7 +6,7 @@ teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (``products.matmu
 accumulation, never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values
 and, when a gradient is formed, da in the input dtype over the teacher buffer's own memory (a 16-bit
 da row in the first half of the fp32 row's bytes); then grad_hidden[rows] = da @ W_s and
-grad_weight += da^T @ h_s[rows] (fp32 accumulator across chunks), grad_bias += the column sums.
+grad_weight += da^T @ h_s[rows] (``weight_grad_dtype``), grad_bias += the column sums.
 
 Two strategies:
 
