@@ -129,8 +129,18 @@ def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> t
     """The dtype of the "chunked" strategy's weight gradient from the forward: bf16 for bf16 inputs
     (one chunk: rounded once; several: summed as a bf16 + int8 compensated pair,
     ``products.compensated``, ~16 bits of each partial sum), else fp32 (fp32 inputs, fp16's
-    often-subnormal unit gradients, an fp32 master weight): an exact fp32 accumulator."""
+    often-subnormal unit gradients, an fp32 master weight): an exact fp32 accumulator. The recompute
+    backward sums its weight gradient the same way."""
     return torch.bfloat16 if hidden_dtype == weight_dtype == torch.bfloat16 else torch.float32
+
+
+def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, where):
+    """(grad_weight (V, H) of ``dtype``, the int8 remainder of its compensated pair when it is 16-bit
+    and summed over ``several`` chunks, else None); (None, None) when not ``need``ed."""
+    if not need:
+        return None, None
+    dw = device.new((v, h), dtype, where)
+    return dw, products.compensation_buffer(dw, torch.int8) if dtype != torch.float32 and several else None
 
 
 def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
@@ -171,11 +181,10 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None,
         coef = torch.zeros((2, n), dtype=torch.float32, device=where)
         coef[0] = 1.0
         grads = (device.new((n, h), torch.float32 if dtype == torch.float16 else dtype, where) if need_dx else None,
-                 device.new((v, h), dw_dtype, where) if need_dw else None,
+                 None,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
-    lo = None
-    if need_dw and dw_dtype != torch.float32 and rows < n:  # the pair's int8 remainder, V x H bytes
-        lo = products.compensation_buffer(grads[1], torch.int8)
+    dw, lo = _weight_grad(write and need_dw, v, h, dw_dtype, rows < n, where)
+    grads = (grads[0], dw, grads[2])
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
@@ -202,8 +211,9 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
     need_dx, need_dw, need_db = needs
     coef, unscale = _lift(coef)
     rows, zs_buf, zt_buf = _buffers(n, v, spec, where)
-    grads = (device.new((n, h), dtype, where) if need_dx else None,
-             device.new((v, h), torch.float32, where) if need_dw else None,
+    dw_dtype = dw_dtype or weight.dtype
+    dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), rows < n, where)
+    grads = (device.new((n, h), dtype, where) if need_dx else None, dw,
              torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
@@ -213,9 +223,9 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
         da = _da_view(zt, dtype)
         _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, row0, n, spec,
                 values=False, write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
-        _gradient_products(da, student, sl, grads, unscale, row0 == 0)
+        _gradient_products(da, student, sl, grads, unscale, row0 == 0, lo)
     dx, dw, db = grads
-    return (dx, dw.to(dw_dtype or weight.dtype) if dw is not None else None,
+    return (dx, dw.to(dw_dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
 
 

@@ -158,14 +158,16 @@ def test_several_chunks_fp16_mask():
     _check(inputs, torch.float16, beta=0.5, mask=mask, chunk_bytes=SMALL_CHUNKS, lp_grad=True)
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, SMALL_CHUNKS], ids=["one_chunk", "pair"])
-def test_bf16_weight_gradient(chunk_bytes):
-    """bf16's weight gradient from the chunked forward: rounded once from one chunk, or summed over
-    several as a bf16 + int8 compensated pair (``products.compensated``), then scaled in place. On the
+@pytest.mark.parametrize("strategy,reduction,chunk_bytes", [("chunked", "mean", None), ("chunked", "mean", SMALL_CHUNKS),
+                                                            ("recompute", "none", SMALL_CHUNKS)],
+                         ids=["one_chunk", "pair", "recompute_pair"])
+def test_bf16_weight_gradient(strategy, reduction, chunk_bytes):
+    """bf16's weight gradient: rounded once from one chunk, or summed over several as a bf16 + int8
+    compensated pair (``products.compensated``), on the chunked strategy then scaled in place. On the
     CPU through the kernels' BF16_EMULATION (tl.dot on upcast tiles, round-to-nearest-even casts:
     what the GPU computes; tests/kernel/test_bf16_emulation.py)."""
     _check(_inputs(torch.bfloat16, bias=True), torch.bfloat16, beta=0.5, chunk_bytes=chunk_bytes,
-           student_softcap=5.0)
+           student_softcap=5.0, strategy=strategy, reduction=reduction)
 
 
 def test_mask_and_ignore_index():
