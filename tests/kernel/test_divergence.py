@@ -356,6 +356,53 @@ def test_compiles_without_a_graph_break_and_equals_eager(strategy, reduction):
             assert rel_err(a.grad, b.grad) < 1e-6
 
 
+# Compiles the row kernel for sm_90 offline (scripts/registers.py's compile_case) in a subprocess
+# without the interpreter: the GPU compiler refuses what the interpreter lets pass (a loop-carried
+# name with two shapes did). Each case: MODE, VALUES, WRITE_DA, STATS_KNOWN, DIV_GRAD.
+SM90_SCRIPT = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1] + "/scripts"); sys.path.insert(0, sys.argv[1] + "/torch-ext")
+import registers as R
+R._FP32_PTRS |= {"zs_ptr", "zt_ptr", "coef_ptr", "stats_ptr", "out_ptr"}
+R._INT_PTRS["counted_ptr"] = "*i8"
+R._FLOATS |= {"scale_s", "cap_s", "cap_out_s", "chain_s", "scale_t", "cap_t", "cap_out_t", "beta", "log_a", "log_b"}
+rows = []
+with tempfile.TemporaryDirectory() as tmp:
+    for mode, values, write, known, div_grad in json.loads(sys.argv[2]):
+        flags = dict(MODE=mode, VALUES=values, WRITE_DA=write, STATS_KNOWN=known, DIV_GRAD=div_grad)
+        case = R.Case(name=str(flags), kernel="divergence_row_kernel", module="divergence_kernel",
+                      constexprs=dict(flags, HAS_BIAS_S=True, HAS_BIAS_T=True, SOFTCAP_S=True, SOFTCAP_T=True,
+                                      HAS_TARGETS=True, BLOCK_N=1, BLOCK_V=1024, BF16_EMULATION=False),
+                      descriptors={}, num_warps=4, num_stages=1, unit_strides=())
+        rows.append(R.compile_case(case, Path(tmp)))
+print(json.dumps(rows))
+"""
+
+
+def test_row_kernel_compiles_for_sm90_without_spills():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
+        pytest.skip(f"this Triton install has no ptxas / cuobjdump under {tools}")
+    cases = [(0, True, True, False, True), (1, True, True, False, True), (2, True, False, False, True),
+             (2, False, True, True, True), (0, False, True, True, False)]
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(repo), json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in json.loads(out.stdout):
+        assert 0 < row["registers"] <= 255 and row["stack"] == 0, row
+
+
 def _no_kernel(*args, **kwargs):
     raise AssertionError("a kernel ran before the input check")
 
