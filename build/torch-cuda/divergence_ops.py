@@ -26,6 +26,13 @@ def _spec(scalars: Optional[torch.Tensor], has_s_cap: bool, has_t_cap: bool, red
                 reduction=reduction, strategy=strategy, chunk_bytes=chunk_bytes)
 
 
+def _low(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The student weight in hidden's dtype: an fp32 master weight under a 16-bit autocast
+    (``validate.is_master_weight``) is cast here, once per op, and its gradient stays the products'
+    fp32 sum (never rounded to 16 bits)."""
+    return weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+
+
 def _chunked(strategy: str, need_dx: bool, need_dw: bool, need_db: bool) -> bool:
     return strategy == "chunked" and (need_dx or need_dw or need_db)
 
@@ -45,7 +52,8 @@ def divergence_forward(
     chunked = _chunked(strategy, need_dx, need_dw, need_db)
     unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
     needs = (need_dx, need_dw, need_db) if chunked else (False,) * 3
-    out, stats, *grads = divergence.forward((hs, ws, bs), (ht, wt, bt), targets, counted, spec, needs, unscale)
+    out, stats, *grads = divergence.forward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, spec, needs,
+                                            unscale, divergence.weight_grad_dtype(hs.dtype, ws.dtype))
     rows, entropy, log_probs = (t.clone() for t in out)  # distinct outputs
     div = rows if denominator is None else rows.sum() / denominator
     grads = [g if g is not None else hs.new_empty((0,)) for g in grads]
@@ -64,7 +72,8 @@ def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, has_s_cap,
     return (rows if denominator is None else hs.new_empty((), dtype=torch.float32), rows.new_empty((n,)),
             rows.new_empty((n,)), rows.new_empty((3, n)),
             hs.new_empty((n, h), dtype=unit) if chunked and need_dx else empty,
-            hs.new_empty((v, h), dtype=torch.float32) if chunked and need_dw else empty,
+            hs.new_empty((v, h), dtype=divergence.weight_grad_dtype(hs.dtype, ws.dtype)) if chunked and need_dw
+            else empty,
             hs.new_empty((v,), dtype=torch.float32) if chunked and need_db else empty)
 
 
@@ -73,20 +82,20 @@ def divergence_backward(
     coef: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor], ht: torch.Tensor,
     wt: torch.Tensor, bt: Optional[torch.Tensor], targets: Optional[torch.Tensor], counted: torch.Tensor,
     stats: torch.Tensor, scalars: torch.Tensor, has_s_cap: bool, has_t_cap: bool, chunk_bytes: Optional[int],
-    need_dx: bool, need_dw: bool, need_db: bool,
+    need_dx: bool, need_dw: bool, need_db: bool, div_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of the student for per-row coefficients ``coef`` (2, N)
     (the divergence's and the log-prob's upstream), recomputing the logits; empty (0,) where not
-    needed."""
+    needed. ``div_grad`` False: the log-prob's term alone (coef[0] unused, no teacher product)."""
     spec = _spec(scalars, has_s_cap, has_t_cap, "none", "recompute", chunk_bytes)
-    grads = divergence.backward((hs, ws, bs), (ht, wt, bt), targets, counted, stats, coef, spec,
-                                (need_dx, need_dw, need_db))
+    grads = divergence.backward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, stats, coef, spec,
+                                (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
 
 @divergence_backward.register_fake
 def _(coef, hs, ws, bs, ht, wt, bt, targets, counted, stats, scalars, has_s_cap, has_t_cap, chunk_bytes, need_dx,
-      need_dw, need_db):
+      need_dw, need_db, div_grad):
     empty = hs.new_empty((0,))
     return (hs.new_empty(hs.shape) if need_dx else empty, ws.new_empty(ws.shape) if need_dw else empty,
             ws.new_empty((ws.shape[0],)) if need_db and bs is not None else empty)
@@ -115,8 +124,19 @@ def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
     needs = ctx.computed
     grads = [None, None, None]
     if ctx.chunked and grad_div is not None:
-        scaled = ops.scale_gradients(dx, dw, db, grad_div.reshape(()), *ctx.dtypes)
-        grads = [g if need else None for g, need in zip(scaled, needs)]
+        g = grad_div.reshape(())
+        # A gradient already in its leaf's dtype is scaled where it is (no second V x H tensor at
+        # the backward's peak; a second backward through the graph then fails autograd's version
+        # check); the rest, and everything under create_graph, into new tensors (``ops._backward``).
+        in_place = [need and t.dtype == d and not torch.is_grad_enabled()
+                    for t, d, need in zip((dx, dw), ctx.dtypes[:2], needs[:2])]
+        for t, yes in zip((dx, dw), in_place):
+            if yes:
+                ops.scale_in_place(t, g)
+        rest = [t.new_empty((0,)) if yes else t for t, yes in zip((dx, dw), in_place)]
+        scaled = list(ops.scale_gradients(*rest, db, g, *ctx.dtypes))
+        scaled[:2] = [t if yes else s for t, s, yes in zip((dx, dw), scaled[:2], in_place)]
+        grads = [s if need else None for s, need in zip(scaled, needs)]
         grad_div = None
     if grad_div is not None or grad_lp is not None:
         zero = hs.new_zeros((hs.shape[0],), dtype=torch.float32)
@@ -124,7 +144,8 @@ def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
                                                else grad_div.float()).expand(hs.shape[0])
         c_lp = zero if grad_lp is None else grad_lp.float()
         more = divergence_backward(torch.stack([c_div, c_lp]), hs, ws, bs, ht, wt, bt, targets, counted, stats,
-                                   scalars, o["has_s_cap"], o["has_t_cap"], o["chunk_bytes"], *needs)
+                                   scalars, o["has_s_cap"], o["has_t_cap"], o["chunk_bytes"], *needs,
+                                   grad_div is not None)
         more = [m if need else None for m, need in zip(more, needs)]
         grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
     return (*grads, None, None, None, None, None, None, None) + (None,) * len(_OPTIONS)

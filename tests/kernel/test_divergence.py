@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import divergence, fused_linear_divergence, reference
+from fused_linear_ce import divergence, fused_linear_divergence, products, reference
 
 N, H_S, H_T, V = (53, 96, 128, 1000) if ON_GPU else (37, 48, 80, 300)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, **({"bf16": torch.bfloat16} if ON_GPU else {})}
@@ -158,6 +158,18 @@ def test_several_chunks_fp16_mask():
     _check(inputs, torch.float16, beta=0.5, mask=mask, chunk_bytes=SMALL_CHUNKS, lp_grad=True)
 
 
+@pytest.mark.parametrize("strategy,reduction,chunk_bytes", [("chunked", "mean", None), ("chunked", "mean", SMALL_CHUNKS),
+                                                            ("recompute", "none", SMALL_CHUNKS)],
+                         ids=["one_chunk", "pair", "recompute_pair"])
+def test_bf16_weight_gradient(strategy, reduction, chunk_bytes):
+    """bf16's weight gradient: rounded once from one chunk, or summed over several as a bf16 + int8
+    compensated pair (``products.compensated``), on the chunked strategy then scaled in place. On the
+    CPU through the kernels' BF16_EMULATION (tl.dot on upcast tiles, round-to-nearest-even casts:
+    what the GPU computes; tests/kernel/test_bf16_emulation.py)."""
+    _check(_inputs(torch.bfloat16, bias=True), torch.bfloat16, beta=0.5, chunk_bytes=chunk_bytes,
+           student_softcap=5.0, strategy=strategy, reduction=reduction)
+
+
 def test_mask_and_ignore_index():
     inputs = _inputs(torch.float32, bias=True)
     mask = torch.rand(N, generator=torch.Generator().manual_seed(3)).to(DEVICE) > 0.3
@@ -206,6 +218,23 @@ def test_no_grad_forward_values_only(monkeypatch):
     assert not calls and torch.isfinite(div)
 
 
+def test_log_prob_gradient_on_the_chunked_strategy_skips_the_teacher(monkeypatch):
+    """The chunked strategy's gradients come from the forward; a log-prob gradient adds a recompute
+    of that term alone, with the student's logits only: one teacher product in all."""
+    inputs = _inputs(torch.float32)
+    teacher_products = []
+    real = products.matmul
+
+    def spy(a, *args, **kwargs):
+        teacher_products.append(a.shape[1] == H_T)
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(products, "matmul", spy)
+    div, fields = fused_linear_divergence(**inputs, beta=0.5, outputs=("log_probs",))
+    (div + fields["log_probs"].sum()).backward()
+    assert sum(teacher_products) == 1 and len(teacher_products) > 4
+
+
 @pytest.mark.parametrize("beta", [1e-6, 1 - 1e-6, 0.0, 1.0])
 def test_extreme_beta_and_one_hot_teacher(beta):
     """beta near 0 and 1 with a near one-hot teacher: finite, and right against float64."""
@@ -245,15 +274,26 @@ def test_nothing_counted():
     assert torch.isnan(fused_linear_divergence(**inputs, beta=0.3, mask=mask))
 
 
-def test_autocast_matches_explicit_cast():
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+def test_autocast_master_weight(strategy):
+    """Under a 16-bit autocast the operands go in fp16 (the same divergence as an explicit cast), and
+    the fp32 student weight's gradient is the products' fp32 sum of the fp16 da, never rounded to
+    fp16 itself (its entries are not all fp16 values), within fp16's tolerance of float64."""
     inputs = _inputs(torch.float32)
     with torch.autocast(DEVICE.type, dtype=torch.float16):
-        a = fused_linear_divergence(**inputs, beta=0.3)
+        a = fused_linear_divergence(**inputs, beta=0.3, strategy=strategy)
     half = {k: (v.detach().half() if v.is_floating_point() else v) for k, v in inputs.items()}
-    b = fused_linear_divergence(**half, beta=0.3)
+    with torch.no_grad():
+        b = fused_linear_divergence(**half, beta=0.3)
     assert a.dtype == torch.float32 and torch.equal(a, b)
     a.backward()
-    assert inputs["student_weight"].grad.dtype == torch.float32
+    grad = inputs["student_weight"].grad
+    assert grad.dtype == torch.float32
+    leaves = {k: (v.double().requires_grad_(k == "student_weight") if v.is_floating_point() else v)
+              for k, v in half.items()}
+    want = torch.autograd.grad(reference.linear_divergence(**leaves, beta=0.3), leaves["student_weight"])[0]
+    assert rel_err(grad, want) <= GRAD_TOL[torch.float16]
+    assert (grad != grad.half().float()).any()
 
 
 BAD = {
@@ -314,6 +354,53 @@ def test_compiles_without_a_graph_break_and_equals_eager(strategy, reduction):
         assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
         for a, b in zip(leaves[1], leaves[0]):
             assert rel_err(a.grad, b.grad) < 1e-6
+
+
+# Compiles the row kernel for sm_90 offline (scripts/registers.py's compile_case) in a subprocess
+# without the interpreter: the GPU compiler refuses what the interpreter lets pass (a loop-carried
+# name with two shapes did). Each case: MODE, VALUES, WRITE_DA, STATS_KNOWN, DIV_GRAD.
+SM90_SCRIPT = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1] + "/scripts"); sys.path.insert(0, sys.argv[1] + "/torch-ext")
+import registers as R
+R._FP32_PTRS |= {"zs_ptr", "zt_ptr", "coef_ptr", "stats_ptr", "out_ptr"}
+R._INT_PTRS["counted_ptr"] = "*i8"
+R._FLOATS |= {"scale_s", "cap_s", "cap_out_s", "chain_s", "scale_t", "cap_t", "cap_out_t", "beta", "log_a", "log_b"}
+rows = []
+with tempfile.TemporaryDirectory() as tmp:
+    for mode, values, write, known, div_grad in json.loads(sys.argv[2]):
+        flags = dict(MODE=mode, VALUES=values, WRITE_DA=write, STATS_KNOWN=known, DIV_GRAD=div_grad)
+        case = R.Case(name=str(flags), kernel="divergence_row_kernel", module="divergence_kernel",
+                      constexprs=dict(flags, HAS_BIAS_S=True, HAS_BIAS_T=True, SOFTCAP_S=True, SOFTCAP_T=True,
+                                      HAS_TARGETS=True, BLOCK_N=1, BLOCK_V=1024, BF16_EMULATION=False),
+                      descriptors={}, num_warps=4, num_stages=1, unit_strides=())
+        rows.append(R.compile_case(case, Path(tmp)))
+print(json.dumps(rows))
+"""
+
+
+def test_row_kernel_compiles_for_sm90_without_spills():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
+        pytest.skip(f"this Triton install has no ptxas / cuobjdump under {tools}")
+    cases = [(0, True, True, False, True), (1, True, True, False, True), (2, True, False, False, True),
+             (2, False, True, True, True), (0, False, True, True, False)]
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(repo), json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in json.loads(out.stdout):
+        assert 0 < row["registers"] <= 255 and row["stack"] == 0, row
 
 
 def _no_kernel(*args, **kwargs):

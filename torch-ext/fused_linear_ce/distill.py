@@ -7,7 +7,8 @@ from .api import _autocast
 from .device import interpreted
 from . import divergence_ops
 from .divergence import Spec
-from .validate import INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes
+from .validate import (INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes,
+                       is_master_weight)
 
 OUTPUTS = ("entropy", "log_probs")
 
@@ -47,7 +48,8 @@ def fused_linear_divergence(
     Args:
         student_hidden: (N, H_s) or (..., H_s) float32, bfloat16 or float16.
         student_weight: (V, H_s), the same dtype (under ``torch.autocast`` every operand goes in the
-            autocast dtype, as ``F.linear`` would; the casts are differentiable).
+            autocast dtype, as ``F.linear`` would, except an fp32 student weight: the op casts it for
+            its products and sums its gradient in fp32, never rounded to 16 bits).
         teacher_hidden: (..., H_t) with the student's leading shape; teacher_weight (V, H_t). The
             same dtype as the student's. The teacher gets no gradient (None) even where its
             tensors require one.
@@ -68,7 +70,9 @@ def fused_linear_divergence(
             student's log-prob of ``targets``, differentiable): returned in a dict beside the
             divergence, each (...) fp32, 0 on uncounted rows.
         chunk_bytes: the memory knob: one chunk's two fp32 (R, V) logit buffers, R x V x 8 bytes
-            (default 512 MiB); the gradients come on top (an fp32 V x H_s weight-gradient accumulator).
+            (default 512 MiB). The gradients come on top, with the weight's summed over chunks in fp32
+            (4 V x H_s bytes; bf16 on the chunked strategy: a bf16 + int8 pair, its own bytes and
+            V x H_s more).
         strategy: "chunked" (the gradients formed in the forward, four products a chunk; the backward
             scales them; "mean" / "sum" only), "recompute" (the forward computes values with two
             products a chunk, the backward recomputes the logits: six in all), or "auto" (default):
@@ -84,9 +88,11 @@ def fused_linear_divergence(
         >>> loss.backward()
     """
     fields = _check_outputs(outputs, targets)
-    hs, ws, bs = _autocast(student_hidden, student_weight, student_bias)
+    hs, ws, bs = _autocast(student_hidden, student_weight, student_bias, keep_fp32_weight=True)
     ht, wt, bt = _autocast(teacher_hidden, teacher_weight, teacher_bias)
-    _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask)
+    master = (isinstance(hs, torch.Tensor) and torch.is_autocast_enabled(hs.device.type)
+              and isinstance(ws, torch.Tensor) and is_master_weight(hs.dtype, ws.dtype))
+    _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master)
     _check_numbers(beta, temperature, student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap,
                    ignore_index, reduction, num_items_in_batch, chunk_bytes, strategy)
     lead = hs.shape[:-1]
@@ -140,7 +146,8 @@ def _check_outputs(outputs, targets) -> tuple:
     return tuple(name for name in OUTPUTS if name in outputs)
 
 
-def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask) -> None:
+def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master=False) -> None:
+    """``master``: an fp32 student weight under a 16-bit autocast, cast inside the op."""
     named = (("student_hidden", hs), ("student_weight", ws), ("teacher_hidden", ht), ("teacher_weight", wt))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -170,7 +177,7 @@ def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask) -> None:
         raise TypeError(f"student_hidden dtype {hs.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     floats = [(name, t) for name, t in (*named, ("student_bias", bs), ("teacher_bias", bt)) if t is not None]
     for name, t in floats:
-        if t.dtype != hs.dtype:
+        if t.dtype != hs.dtype and not (master and t is ws):
             raise TypeError(f"dtype mismatch: student_hidden is {hs.dtype}, {name} is {t.dtype} (both models "
                             "take one dtype)")
     if targets is not None:

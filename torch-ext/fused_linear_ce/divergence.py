@@ -6,15 +6,16 @@ teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (``products.matmu
 accumulation, never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values
 and, when a gradient is formed, da in the input dtype over the teacher buffer's own memory (a 16-bit
 da row in the first half of the fp32 row's bytes); then grad_hidden[rows] = da @ W_s and
-grad_weight += da^T @ h_s[rows] (fp32 accumulator across chunks), grad_bias += the column sums.
+grad_weight += da^T @ h_s[rows] (``weight_grad_dtype``), grad_bias += the column sums.
 
 Two strategies:
 
 - "chunked" ("mean" / "sum": the upstream gradient is one scalar g): the forward forms da with unit
   coefficients (1 on counted rows) and runs all four products; the common factor (1 / count, or
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
-  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient reaching ``log_probs`` is added by a recompute
-  backward of that term alone (its upstream is only known then).
+  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
+  reaching ``log_probs`` is added by a recompute backward of that term alone (its upstream is only
+  known then): the student's logits and its two gradient products, three a chunk.
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three
   fp32 statistics a row (lse_s, lse_t, sum_v p_s g); the backward recomputes each chunk's logits and
   forms da in one pass with each row's upstream folded in: six products in all. The per-row
@@ -86,7 +87,7 @@ def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spec: Spec, *, values: bool,
-            write_da: bool, stats_known: bool, dtype):
+            write_da: bool, stats_known: bool, dtype, div_grad: bool = True):
     r, v = zs.shape
     scale_s, cap_s, cap_out_s, chain_s = spec.student.kernel_scales()
     scale_t, cap_t, cap_out_t, _ = spec.teacher.kernel_scales()
@@ -105,6 +106,7 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
+        DIV_GRAD=div_grad,
         BLOCK_N=rows, BLOCK_V=cols, BF16_EMULATION=device.bf16_emulation(dtype),
         num_warps=1 if device.interpreted() else 4,
     )
@@ -116,29 +118,54 @@ def _buffers(n: int, v: int, spec: Spec, where):
 
 
 def _logits(student, teacher, sl, zs, zt):
-    """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it)."""
+    """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it); the teacher's only
+    when ``teacher`` is given."""
     products.matmul(student[0][sl], student[1].t(), zs, False)
-    products.matmul(teacher[0][sl], teacher[1].t(), zt, False)
+    if teacher is not None:
+        products.matmul(teacher[0][sl], teacher[1].t(), zt, False)
 
 
-def _gradient_products(da, student, sl, grads, unscale, first: bool):
-    """grad_hidden[rows] = da @ W_s, grad_weight (+)= da^T @ h_s[rows] (fp32), grad_bias += column
-    sums, each times ``unscale`` ((1,) fp32) in fp32 before its one rounding."""
+def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the "chunked" strategy's weight gradient from the forward: bf16 for bf16 inputs
+    (one chunk: rounded once; several: summed as a bf16 + int8 compensated pair,
+    ``products.compensated``, ~16 bits of each partial sum), else fp32 (fp32 inputs, fp16's
+    often-subnormal unit gradients, an fp32 master weight): an exact fp32 accumulator. The recompute
+    backward sums its weight gradient the same way."""
+    return torch.bfloat16 if hidden_dtype == weight_dtype == torch.bfloat16 else torch.float32
+
+
+def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, where):
+    """(grad_weight (V, H) of ``dtype``, the int8 remainder of its compensated pair when it is 16-bit
+    and summed over ``several`` chunks, else None); (None, None) when not ``need``ed."""
+    if not need:
+        return None, None
+    dw = device.new((v, h), dtype, where)
+    return dw, products.compensation_buffer(dw, torch.int8) if dtype != torch.float32 and several else None
+
+
+def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
+    """grad_hidden[rows] = da @ W_s, grad_weight (+)= da^T @ h_s[rows], grad_bias += column sums,
+    each times ``unscale`` ((1,) fp32) in fp32 before its rounding. A bf16 grad_weight with ``lo``
+    (several chunks) is summed as a compensated pair, without ``lo`` written once."""
     dx, dw, db = grads
     if dx is not None:
         products.product(da, student[1], dx[sl], False, unscale)
-    if dw is not None:
+    if dw is not None and dw.dtype == torch.float32:
         products.matmul(da.t(), student[0][sl], dw, not first, unscale)
+    elif dw is not None and lo is not None:
+        products.compensated(da.t(), student[0][sl], dw, lo, not first, unscale)
+    elif dw is not None:
+        products.product(da.t(), student[0][sl], dw, False, unscale)
     if db is not None:
-        db += da.float().sum(0) * unscale
+        db += torch.sum(da, 0, dtype=torch.float32) * unscale  # summed in fp32, no fp32 copy of da
 
 
-def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None):
+def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None, dw_dtype=torch.float32):
     """The values and, with any of ``needs`` (dx, dw, db) and ``unscale``, the gradients of
     sum_rows(counted divergence) * unscale (the "chunked" strategy). ``student``/``teacher``:
     (hidden (N, H), weight (V, H), bias or None). Returns (out (3, N): divergence, entropy, target
-    log-prob; stats (3, N); grad_hidden (unit dtype: fp32 for fp16 inputs), grad_weight (fp32),
-    grad_bias (fp32), None where not needed)."""
+    log-prob; stats (3, N); grad_hidden (unit dtype: fp32 for fp16 inputs), grad_weight
+    (``dw_dtype``, ``weight_grad_dtype``), grad_bias (fp32), None where not needed)."""
     hidden, weight, bias = student
     n, h = hidden.shape
     v = weight.shape[0]
@@ -154,8 +181,10 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None)
         coef = torch.zeros((2, n), dtype=torch.float32, device=where)
         coef[0] = 1.0
         grads = (device.new((n, h), torch.float32 if dtype == torch.float16 else dtype, where) if need_dx else None,
-                 device.new((v, h), torch.float32, where) if need_dw else None,
+                 None,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
+    dw, lo = _weight_grad(write and need_dw, v, h, dw_dtype, rows < n, where)
+    grads = (grads[0], dw, grads[2])
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
@@ -165,14 +194,16 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None)
         _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, row0, n, spec,
                 values=True, write_da=write, stats_known=False, dtype=dtype)
         if write:
-            _gradient_products(da, student, sl, grads, unscale, row0 == 0)
+            _gradient_products(da, student, sl, grads, unscale, row0 == 0, lo)
     return (out, stats, *grads)
 
 
-def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs):
+def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs, dw_dtype=None, div_grad=True):
     """The gradients for per-row coefficients ``coef`` (2, N) fp32 (the divergence's and the target
-    log-prob's upstream), by recomputing each chunk's logits: (grad_hidden in hidden's dtype,
-    grad_weight and grad_bias in their leaves' dtypes), None where not needed."""
+    log-prob's upstream), by recomputing each chunk's logits (without ``div_grad``, the log-prob's
+    term alone: the student's logits only, three products a chunk): (grad_hidden in hidden's dtype,
+    grad_weight in ``dw_dtype`` (default the weight's: float32 for an fp32 master weight, whose
+    16-bit copy ``student`` holds), grad_bias in the bias's dtype), None where not needed."""
     hidden, weight, bias = student
     n, h = hidden.shape
     v = weight.shape[0]
@@ -180,20 +211,21 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs)
     need_dx, need_dw, need_db = needs
     coef, unscale = _lift(coef)
     rows, zs_buf, zt_buf = _buffers(n, v, spec, where)
-    grads = (device.new((n, h), dtype, where) if need_dx else None,
-             device.new((v, h), torch.float32, where) if need_dw else None,
+    dw_dtype = dw_dtype or weight.dtype
+    dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), rows < n, where)
+    grads = (device.new((n, h), dtype, where) if need_dx else None, dw,
              torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
     for row0 in range(0, n, rows):
         r = min(rows, n - row0)
         sl = slice(row0, row0 + r)
         zs, zt = zs_buf[:r], zt_buf[:r]
-        _logits(student, teacher, sl, zs, zt)
+        _logits(student, teacher if div_grad else None, sl, zs, zt)
         da = _da_view(zt, dtype)
         _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, row0, n, spec,
-                values=False, write_da=True, stats_known=True, dtype=dtype)
-        _gradient_products(da, student, sl, grads, unscale, row0 == 0)
+                values=False, write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
+        _gradient_products(da, student, sl, grads, unscale, row0 == 0, lo)
     dx, dw, db = grads
-    return (dx, dw.to(weight.dtype) if dw is not None else None,
+    return (dx, dw.to(dw_dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
 
 

@@ -108,6 +108,7 @@ def divergence_row_kernel(
     STATS_KNOWN: tl.constexpr,
     VALUES: tl.constexpr,
     WRITE_DA: tl.constexpr,
+    DIV_GRAD: tl.constexpr,  # da has the divergence's term (else only the log-prob's: zt is not read)
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
@@ -115,7 +116,9 @@ def divergence_row_kernel(
     """Grid (cdiv(R, BLOCK_N),): one program a block of rows, their vocabulary in BLOCK_V blocks, in
     increasing order. Pass 1 (unless STATS_KNOWN): both rows' lse (online max and sum). Pass 2
     (VALUES): the divergence, entropy, sum_v p_s g, and for the forward KL with WRITE_DA also da.
-    Pass 3 (WRITE_DA, reverse KL and JSD): da. da is written over zt's own rows as their blocks are
+    Pass 3 (WRITE_DA, reverse KL and JSD; the recompute backward's only pass): da; without DIV_GRAD
+    (the log-prob's term alone, STATS_KNOWN) the teacher's buffer is not read, only written with da.
+    da is written over zt's own rows as their blocks are
     read: da's block of a row lies in bytes already read (a 16-bit da in the first half of the fp32
     row; an fp32 one on it).
 
@@ -185,7 +188,7 @@ def divergence_row_kernel(
                 spg += tl.sum(p_s * g, axis=1)
                 if WRITE_DA and MODE == FORWARD_KL:
                     da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s,
-                             bad, MODE, SOFTCAP_S, HAS_TARGETS)
+                             bad, MODE, SOFTCAP_S, HAS_TARGETS, True)
                     tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
                              mask=mask_n[:, None] & mask_v)
             log_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -206,42 +209,50 @@ def divergence_row_kernel(
                 live = counted[:, None] & mask_v
                 z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
                                 cap_out_s, HAS_BIAS_S, SOFTCAP_S)
-                z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
-                                cap_out_t, HAS_BIAS_T, SOFTCAP_T)
                 ls = tl.where(live, z_s - lse_s[:, None], 0.0)
-                lt = tl.where(live, z_t - lse_t[:, None], 0.0)
-                _, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                if DIV_GRAD:
+                    z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t,
+                                    cap_t, cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+                    lt = tl.where(live, z_t - lse_t[:, None], 0.0)
+                    _, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                else:
+                    lt = ls
+                    g = ls
                 da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
-                         MODE, SOFTCAP_S, HAS_TARGETS)
+                         MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD)
                 tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
                          mask=mask_n[:, None] & mask_v)
     else:
         if VALUES:
-            zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            zero_rows = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k in range(3):
-                tl.store(out_ptr + k * N + rows, zero, mask=mask_n)
-                tl.store(stats_ptr + k * N + rows, zero, mask=mask_n)
+                tl.store(out_ptr + k * N + rows, zero_rows, mask=mask_n)
+                tl.store(stats_ptr + k * N + rows, zero_rows, mask=mask_n)
         if WRITE_DA:
             for v0 in range(0, V, BLOCK_V):
                 offs_v = v0 + offs
-                zero = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-                tl.store(da_rows + offs_v[None, :], zero.to(da_ptr.dtype.element_ty),
+                zero_block = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+                tl.store(da_rows + offs_v[None, :], zero_block.to(da_ptr.dtype.element_ty),
                          mask=mask_n[:, None] & (offs_v < V)[None, :])
 
 
 @triton.jit
 def _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
-        MODE: tl.constexpr, SOFTCAP_S: tl.constexpr, HAS_TARGETS: tl.constexpr):
+        MODE: tl.constexpr, SOFTCAP_S: tl.constexpr, HAS_TARGETS: tl.constexpr, DIV_GRAD: tl.constexpr):
     """da of a block (fp32): the divergence's dz (p_s - p_t from each side's own exp for the forward
-    KL, else p_s (g - sum p_s g)) and the log-prob's, weighted by the rows' coefficients, through
-    the softcap / scale / temperature chain. 0 outside ``live`` (past V, uncounted rows)."""
+    KL, else p_s (g - sum p_s g); only with DIV_GRAD) and the log-prob's, weighted by the rows'
+    coefficients, through the softcap / scale / temperature chain. 0 outside ``live`` (past V,
+    uncounted rows)."""
     p_s = tl.exp(ls)
-    c_div = tl.load(coef_ptr + rows, mask=counted, other=0.0)
-    if MODE == FORWARD_KL:
-        dz = p_s - tl.exp(lt)
+    if DIV_GRAD:
+        c_div = tl.load(coef_ptr + rows, mask=counted, other=0.0)
+        if MODE == FORWARD_KL:
+            dz = p_s - tl.exp(lt)
+        else:
+            dz = p_s * (g - spg[:, None])
+        dz = c_div[:, None] * dz
     else:
-        dz = p_s * (g - spg[:, None])
-    dz = c_div[:, None] * dz
+        dz = tl.zeros_like(p_s)
     if HAS_TARGETS:
         c_lp = tl.load(coef_ptr + N + rows, mask=counted, other=0.0)
         dz += c_lp[:, None] * (tl.where(offs_v[None, :] == t[:, None], 1.0, 0.0) - p_s)
