@@ -25,7 +25,7 @@ calls over ``bench.SLOW_MS``), each round's figure in ``fwdbwd_ms_rounds`` and `
 (max - min) / median of them; ``x_floor`` = fwdbwd_ms over the matmul row's; ``extra_mib`` as bench.py
 defines it (peak allocated during one step minus what was allocated before it minus the bytes of dX
 and dW); ``loss_rel`` / ``dx_rel`` / ``dw_rel`` (relative Frobenius, ``bench.rel``) against
-``distill_cases.reference`` (fp32 logits, tf32 matmuls on a GPU; float64 on the CPU), and ``tok_rel``
+``distill_cases.reference`` (fp32 logits, tf32 matmuls on a GPU; float64 at --tiny), and ``tok_rel``
 for the per-token divergence of ``flce-none``. Writes ``<gpu>.json`` under --out after every case and
 prints a short table at the end; ``render_distill.py`` writes the markdown.
 """
@@ -94,15 +94,17 @@ def estimate_seconds(shapes, dists, betas, names, rounds, reps, no_skip=False):
     return total
 
 
-def git_state():
+def git_state(fallback=None):
+    """The repository's HEAD and whether tracked files differ from it; ``fallback`` (dirty unknown)
+    where git cannot tell."""
     try:
         run = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=20)  # noqa: E731
         head = run("rev-parse", "HEAD")
         if head.returncode:
-            return dict(commit=None, dirty=None)
+            return dict(commit=fallback, dirty=None)
         return dict(commit=head.stdout.strip(), dirty=bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip()))
     except Exception:  # noqa: BLE001 - no git on the machine: unknown
-        return dict(commit=None, dirty=None)
+        return dict(commit=fallback, dirty=None)
 
 
 def versions():
@@ -293,6 +295,8 @@ def parse_args(argv):
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip every case that would start after this many "
                     "seconds (0: no limit)")
     ap.add_argument("--estimate-only", action="store_true", help="print the time estimate and exit")
+    ap.add_argument("--commit", default=None, help="the git commit to record where git cannot tell (a copy "
+                    "of the working tree without .git)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     return ap, args
@@ -312,7 +316,7 @@ def main(argv=None):
         ap.error("betas must be in [0, 1]")
     dists = _names(args.dists)
     if args.rounds is None:
-        args.rounds = 1 if (args.quick and device.type != "cuda") else 3
+        args.rounds = 1 if (args.quick and device.type != "cuda" and not args.estimate_only) else 3
     if args.reps is None:
         args.reps = 2 if args.quick else 3
     if args.rounds < 1 or args.reps < 1:
@@ -340,12 +344,12 @@ def main(argv=None):
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"{bench.file_stem(name)}.json"
-    ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    ref_dtype = torch.float64 if shapes == ["tiny"] else torch.float32
     meta = dict(
         harness="bench_distill",
         gpu=name,
         **versions(),
-        **git_state(),
+        **git_state(args.commit),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         args=vars(args),
         shapes={s: dict(zip(("N", "H_student", "H_teacher", "V"), SHAPES[s])) for s in shapes},
