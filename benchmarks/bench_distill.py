@@ -315,6 +315,9 @@ def main(argv=None):
     if any(not 0 <= b <= 1 for b in betas):
         ap.error("betas must be in [0, 1]")
     dists = _names(args.dists)
+    for d in dists:
+        if d not in ("random", "peaked"):
+            ap.error(f"unknown dist {d!r}; known: random, peaked")
     if args.rounds is None:
         args.rounds = 1 if (args.quick and device.type != "cuda" and not args.estimate_only) else 3
     if args.reps is None:
