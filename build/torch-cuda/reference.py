@@ -3,7 +3,10 @@
 ``linear_cross_entropy`` computes in ``compute_dtype`` (float64 by default) and materialises the
 logits: it is the definition, not a fast path. ``chunked_linear_cross_entropy`` gives the same loss
 and gradients in chunks of rows, for problems whose full logits do not fit in memory.
+``linear_divergence`` is the student-teacher divergence of ``fused_linear_divergence``.
 """
+
+import math
 
 import torch
 
@@ -108,3 +111,54 @@ def chunked_linear_cross_entropy(
         total += loss.detach()
         count += (t != ignore_index).sum()
     return total, count, grad_hidden, w.grad, (b.grad if b is not None else None)
+
+
+def linear_divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, *, beta, student_bias=None,
+                      teacher_bias=None, temperature=1.0, student_logit_scale=1.0, student_softcap=None,
+                      teacher_logit_scale=1.0, teacher_softcap=None, targets=None, mask=None, ignore_index=-100,
+                      reduction="mean", num_items_in_batch=None, outputs=(), compute_dtype=torch.float64,
+                      **_ignored):
+    """Same signature and semantics as ``fused_linear_divergence``, with the (N, V) logits in
+    ``compute_dtype``; differentiable in the student's tensors (the teacher's are detached). Extra
+    keyword arguments that do not change the result (``chunk_bytes``, ``strategy``) are ignored."""
+    lead = student_hidden.shape[:-1]
+    n = lead.numel()
+    zs = logits(student_hidden.reshape(n, -1), student_weight, student_bias, student_logit_scale, student_softcap,
+                compute_dtype) / temperature
+    zt = logits(teacher_hidden.reshape(n, -1).detach(), teacher_weight.detach(),
+                teacher_bias.detach() if teacher_bias is not None else None, teacher_logit_scale, teacher_softcap,
+                compute_dtype) / temperature
+    ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    ps, pt = ls.exp(), lt.exp()
+    if beta == 0:
+        rows = (pt * (lt - ls)).sum(-1)
+    elif beta == 1:
+        rows = (ps * (ls - lt)).sum(-1)
+    else:
+        log_m = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), 0)
+        rows = beta * (pt * (lt - log_m)).sum(-1) + (1 - beta) * (ps * (ls - log_m)).sum(-1)
+    counted = torch.ones(n, dtype=torch.bool, device=zs.device) if mask is None else mask.reshape(n)
+    zero = torch.zeros((), dtype=compute_dtype, device=zs.device)
+    log_probs = torch.zeros_like(rows)
+    if targets is not None:
+        t = targets.reshape(n).to(torch.int64)
+        counted = counted & (t != ignore_index)
+        in_range = (t >= 0) & (t < zs.shape[-1])
+        log_probs = ls.gather(1, torch.where(in_range, t, 0)[:, None])[:, 0]
+        nan = torch.full((), float("nan"), dtype=compute_dtype, device=zs.device)
+        rows = torch.where(in_range, rows, nan)
+        log_probs = torch.where(in_range, log_probs, nan)
+    rows = torch.where(counted, rows, zero)
+    if reduction == "none":
+        div = rows.reshape(lead)
+    elif num_items_in_batch is not None:
+        div = rows.sum() / num_items_in_batch
+    elif reduction == "sum":
+        div = rows.sum()
+    else:
+        div = rows.sum() / counted.sum()
+    if not outputs:
+        return div
+    fields = {"entropy": torch.where(counted, -(ps * ls).sum(-1), zero).detach().reshape(lead),
+              "log_probs": torch.where(counted, log_probs, zero).reshape(lead)}
+    return div, {name: fields[name] for name in ("entropy", "log_probs") if name in outputs}
