@@ -49,7 +49,17 @@ def _importable(stmt):
     return True
 
 
-def test_tiny_quick_run_as_a_subprocess_writes_every_row_ours_within_tolerance(tmp_path):
+def _use_in_trl_replaces_the_distillation_loss(distill_methods):
+    """Whether this package's use_in_trl() replaces TRL's distillation loss (TRL left as it was)."""
+    try:
+        state = distill_methods.TrlState()
+        replaced = state.install(fused_linear_ce.use_in_trl)
+    except Exception:  # noqa: BLE001 - no TRL, or no use_in_trl
+        return False
+    return any(name.startswith("trl.trainer.distillation_trainer.") for name in replaced)
+
+
+def test_tiny_quick_run_as_a_subprocess_writes_every_row_ours_within_tolerance(harness, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_distill.py"), "--tiny", "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
@@ -79,7 +89,7 @@ def test_tiny_quick_run_as_a_subprocess_writes_every_row_ours_within_tolerance(t
     have_trl = _importable("import trl.trainer.distillation_trainer")
     available = {"matmul", "torch", "torch-compile"} | (set(OURS) if have_ours else set()) | ({"trl"} if have_trl else set())
     available |= {"liger"} if _importable("from liger_kernel.transformers import LigerFusedLinearJSD") else set()
-    if not (have_ours and have_trl and hasattr(fused_linear_ce, "ChunkedDivergenceFunction")):
+    if not (have_ours and have_trl and _use_in_trl_replaces_the_distillation_loss(harness[2])):
         available.discard("flce-trl")
     for (dist, beta, method), row in by.items():
         if method not in available:
