@@ -1,5 +1,6 @@
-"""The distillation benchmark's problems and their answers: shapes, data, the per-token divergence and the
-chunked reference (loss, dX, dW) that every method of ``bench_distill.py`` is measured against.
+"""The distillation benchmark's problems and their answers: shapes, data, and the reference (loss, dX,
+dW) that every method of ``bench_distill.py`` is measured against: the package's specification
+(``fused_linear_ce.reference.linear_divergence``) in chunks of rows.
 
 The divergence, per token, between the student's p_s = softmax(x_s @ W_s.T) and the teacher's
 p_t = softmax(x_t @ W_t.T), TRL's convention (``trl.trainer.distillation_trainer._chunked_divergence_loss``):
@@ -11,8 +12,10 @@ gets gradients.
 import math
 from types import SimpleNamespace
 
+import bench  # noqa: F401 - benchmarks/bench.py: puts torch-ext on sys.path (TRITON_INTERPRET on CPU)
 import torch
 import torch.nn.functional as F
+from fused_linear_ce import reference as spec
 
 SHAPES = {  # name: (N tokens, student H, teacher H, V)
     "D1": (8192, 2048, 4096, 151936),  # Qwen-class vocabulary
@@ -25,18 +28,6 @@ DEFAULT_SEQ = 2048
 TEACHER_TOP = 0.8  # peaked: the teacher's typical probability of its top class
 STUDENT_AGREES = 0.75  # peaked: share of tokens where the student leans onto the teacher's top class
 REF_PLANE_BYTES = 1 << 30  # the reference's logit plane per row chunk
-
-
-def per_token_divergence(log_ps, log_pt, beta):
-    """(rows, V) log-probabilities of the student and the teacher -> (rows,) divergence, in their dtype."""
-    if beta == 0:
-        return F.kl_div(log_ps, log_pt, reduction="none", log_target=True).sum(-1)  # KL(p_t || p_s)
-    if beta == 1:
-        return F.kl_div(log_pt, log_ps, reduction="none", log_target=True).sum(-1)  # KL(p_s || p_t)
-    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
-    kl_t = F.kl_div(log_m, log_pt, reduction="none", log_target=True).sum(-1)
-    kl_s = F.kl_div(log_m, log_ps, reduction="none", log_target=True).sum(-1)
-    return beta * kl_t + (1 - beta) * kl_s
 
 
 def seq_len(shape, n):
@@ -100,54 +91,48 @@ def make_data(shape, dist, device, seed, dtype=torch.bfloat16, valid_frac=1.0):
     )
 
 
-def reference(data, beta, compute_dtype=torch.float32, plane_bytes=REF_PLANE_BYTES):
-    """Loss, dX and dW (fp32) of both reductions ("mean": sum of u_mean * divergence; "none": of u_none *
-    divergence), the per-token divergence, and what the data look like; in ``compute_dtype``, rows in
-    chunks of about ``plane_bytes`` of logits. Per row the divergence depends on that row's logits only,
-    so one autograd pass gives d divergence_i / d z_i for all rows, and each reduction's dlogits is
-    u_i times it."""
+def reference(data, beta, compute_dtype=torch.float32, plane_bytes=REF_PLANE_BYTES, stats_rows=4096):
+    """Loss, dX and dW (fp32) of both reductions ("mean": sum of valid / n_valid * divergence; "none":
+    of u_none * divergence), the per-token divergence, and what the data look like (from the first
+    ``stats_rows`` tokens); ``reference.linear_divergence`` in ``compute_dtype``, rows in chunks of
+    about ``plane_bytes`` of logits, gradients by autograd through it."""
     n, v = data.n, data.v
     dev = data.x_s.device
     size = torch.finfo(compute_dtype).bits // 8
     rows = max(1, min(n, plane_bytes // (size * v)))
-    w_s = data.w_s.to(compute_dtype)
-    w_t = data.w_t.to(compute_dtype)
+    w_s = data.w_s.to(compute_dtype).requires_grad_(True)
     weights = {"mean": data.valid.to(compute_dtype) / data.n_valid, "none": data.u_none.to(compute_dtype)}
     loss = {k: 0.0 for k in weights}
     dx = {k: torch.empty(n, data.hs, device=dev, dtype=torch.float32) for k in weights}
     dw = {k: torch.zeros(v, data.hs, device=dev, dtype=compute_dtype) for k in weights}
     divergence = torch.empty(n, device=dev, dtype=compute_dtype)
-    p_t_top, p_s_top, agree, ent_t = [], [], [], []
     for r in range(0, n, rows):
-        x = data.x_s[r : r + rows].to(compute_dtype)
-        z_s = (x @ w_s.T).requires_grad_(True)
-        log_ps = F.log_softmax(z_s, -1)
-        with torch.no_grad():
-            log_pt = F.log_softmax(data.x_t[r : r + rows].to(compute_dtype) @ w_t.T, -1)
-        div = per_token_divergence(log_ps, log_pt, beta)
-        (jac,) = torch.autograd.grad(div.sum(), z_s)
+        x = data.x_s[r : r + rows].to(compute_dtype).requires_grad_(True)
+        div = spec.linear_divergence(x, w_s, data.x_t[r : r + rows], data.w_t, beta=beta, reduction="none",
+                                     compute_dtype=compute_dtype)
         divergence[r : r + rows] = div.detach()
-        for k, u in weights.items():
-            u_r = u[r : r + rows]
-            loss[k] += (div.detach() * u_r).sum().item()
-            g = jac * u_r[:, None]
-            dx[k][r : r + rows] = g @ w_s
-            dw[k].addmm_(g.T, x)
-            del g
-        with torch.no_grad():
-            p_t_top.append(log_pt.max(-1).values.exp())
-            p_s_top.append(log_ps.max(-1).values.exp())
-            agree.append(log_pt.argmax(-1) == log_ps.argmax(-1))
-            ent_t.append(-(log_pt.exp() * log_pt).sum(-1))
-        del z_s, log_ps, log_pt, div, jac
-    valid = data.valid
-    stats = dict(
-        reference=str(compute_dtype).replace("torch.", ""),
-        n_valid=data.n_valid,
-        mean_p_teacher_top=torch.cat(p_t_top)[valid].mean().item(),
-        mean_p_student_top=torch.cat(p_s_top)[valid].mean().item(),
-        top1_agreement=torch.cat(agree)[valid].double().mean().item(),
-        teacher_entropy=torch.cat(ent_t)[valid].mean().item(),
-        ref_loss=loss["mean"],
-    )
+        for i, (k, u) in enumerate(weights.items()):
+            part = (div * u[r : r + rows]).sum()
+            g_x, g_w = torch.autograd.grad(part, (x, w_s), retain_graph=i + 1 < len(weights))
+            loss[k] += part.item()
+            dx[k][r : r + rows] = g_x
+            dw[k] += g_w
+            del g_x, g_w
+        del x, div
+    stats = dict(reference=str(compute_dtype).replace("torch.", ""), n_valid=data.n_valid, **_looks(data, compute_dtype, stats_rows),
+                 ref_loss=loss["mean"])
     return dict(loss=loss, dx=dx, dw={k: x.float() for k, x in dw.items()}, divergence=divergence), stats
+
+
+def _looks(data, compute_dtype, rows):
+    """What the data look like over the valid ones of the first ``rows`` tokens."""
+    with torch.no_grad():
+        log_ps = F.log_softmax(spec.logits(data.x_s[:rows], data.w_s, compute_dtype=compute_dtype), -1)
+        log_pt = F.log_softmax(spec.logits(data.x_t[:rows], data.w_t, compute_dtype=compute_dtype), -1)
+        valid = data.valid[:rows]
+        return dict(
+            mean_p_teacher_top=log_pt.max(-1).values.exp()[valid].mean().item(),
+            mean_p_student_top=log_ps.max(-1).values.exp()[valid].mean().item(),
+            top1_agreement=(log_pt.argmax(-1) == log_ps.argmax(-1))[valid].double().mean().item(),
+            teacher_entropy=(-(log_pt.exp() * log_pt).sum(-1))[valid].mean().item(),
+        )

@@ -8,13 +8,14 @@ per-token upstream gradient). Peers are used as black boxes through their public
 that is not installed is a ``Method`` with ``error`` (a row with that error, not a crash).
 """
 
+import math
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from distill_cases import per_token_divergence
+import torch.nn.functional as F
 
 FAST_CHUNK_BYTES = 1 << 40  # ours with memory to spare: a chunk_bytes no plane reaches, one chunk
 _ABSENT = object()
@@ -27,6 +28,18 @@ class Method:
     reduction: str = "mean"
     error: str | None = None
     note: str = ""
+
+
+def per_token_divergence(log_ps, log_pt, beta):
+    """The plain loss's divergence: (rows, V) log-probabilities of the student and the teacher -> (rows,)."""
+    if beta == 0:
+        return F.kl_div(log_ps, log_pt, reduction="none", log_target=True).sum(-1)  # KL(p_t || p_s)
+    if beta == 1:
+        return F.kl_div(log_pt, log_ps, reduction="none", log_target=True).sum(-1)  # KL(p_s || p_t)
+    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))
+    kl_t = F.kl_div(log_m, log_pt, reduction="none", log_target=True).sum(-1)
+    kl_s = F.kl_div(log_m, log_ps, reduction="none", log_target=True).sum(-1)
+    return beta * kl_t + (1 - beta) * kl_s
 
 
 def plain_divergence_loss(x_s, w_s, x_t, w_t, beta, mask=None):
