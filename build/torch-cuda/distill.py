@@ -5,7 +5,8 @@ import torch
 
 from .api import _autocast
 from .device import interpreted
-from .divergence import DivergenceFunction, Spec
+from . import divergence_ops
+from .divergence import Spec
 from .validate import INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes
 
 OUTPUTS = ("entropy", "log_probs")
@@ -116,7 +117,7 @@ def fused_linear_divergence(
                 reduction=reduction, strategy=resolved, chunk_bytes=chunk_bytes)
     h_s = hs.reshape(n, hs.shape[-1])
     h_t = ht.reshape(n, ht.shape[-1]).detach()
-    div, entropy, log_probs = DivergenceFunction.apply(
+    div, entropy, log_probs = divergence_ops.apply(
         h_s, ws, bs, h_t, wt.detach(), bt.detach() if bt is not None else None, flat_targets,
         counted.to(torch.int8), denominator, spec)
     if reduction == "none":

@@ -13,7 +13,7 @@ Two strategies:
 - "chunked" ("mean" / "sum": the upstream gradient is one scalar g): the forward forms da with unit
   coefficients (1 on counted rows) and runs all four products; the common factor (1 / count, or
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
-  by g (``ops.scale_gradients``). A gradient reaching ``log_probs`` is added by a recompute
+  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient reaching ``log_probs`` is added by a recompute
   backward of that term alone (its upstream is only known then).
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three
   fp32 statistics a row (lse_s, lse_t, sum_v p_s g); the backward recomputes each chunk's logits and
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import device, ops, products
+from . import device, products
 from .divergence_kernel import divergence_row_kernel
 from .validate import Options
 
@@ -68,10 +68,13 @@ def chunk_rows(n: int, v: int, chunk_bytes: int | None) -> int:
     return rows // ROW_ALIGN * ROW_ALIGN if rows >= ROW_ALIGN else rows
 
 
-def block_v(v: int) -> int:
-    """The row kernel's vocabulary block: 1024 on a GPU, 128 on the interpreter (several blocks a
-    row at the tests' sizes), never past V's next power of two."""
-    return min(128 if device.interpreted() else 1024, triton.next_power_of_2(v))
+def row_blocks(r: int, v: int) -> tuple[int, int]:
+    """The row kernel's (BLOCK_N, BLOCK_V): one row of 1024-class blocks a program on a GPU (not
+    measured); on the interpreter, whose cost is per operation, up to 32 rows of 256 classes
+    (still several blocks a row, and of rows, at the tests' sizes)."""
+    if device.interpreted():
+        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v))
+    return 1, min(1024, triton.next_power_of_2(v))
 
 
 def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -92,16 +95,17 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
     log_b = math.log(beta) if beta > 0 else 0.0
     b_s, b_t = biases
     dummy = stats
-    divergence_row_kernel[(r,)](
+    rows, cols = row_blocks(r, v)
+    divergence_row_kernel[(triton.cdiv(r, rows),)](
         zs, zt, da if da is not None else zt, b_s if b_s is not None else dummy, b_t if b_t is not None else dummy,
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
-        out if out is not None else dummy, row0, v, n, zs.stride(0), zt.stride(0),
+        out if out is not None else dummy, row0, r, v, n, zs.stride(0), zt.stride(0),
         da.stride(0) if da is not None else 0, targets.stride(0) if targets is not None else 0,
         scale_s, cap_s, cap_out_s, chain_s, scale_t, cap_t, cap_out_t, beta, log_a, log_b,
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
-        BLOCK_V=block_v(v), BF16_EMULATION=device.bf16_emulation(dtype),
+        BLOCK_N=rows, BLOCK_V=cols, BF16_EMULATION=device.bf16_emulation(dtype),
         num_warps=1 if device.interpreted() else 4,
     )
 
@@ -200,51 +204,3 @@ def _lift(coef: torch.Tensor):
     top = coef.abs().amax()
     s = torch.exp2(torch.ceil(torch.log2(torch.where(top > 0, top, torch.ones_like(top)))))
     return coef / s, s.reshape(1).to(torch.float32)
-
-
-class DivergenceFunction(torch.autograd.Function):
-    """(divergence per row or reduced, entropy (N,), log_probs (N,)) of the student's tensors; the
-    teacher's come detached. ``denominator``: None for "none", else a 0-d fp32 device tensor
-    (count of counted rows, num_items_in_batch, or 1 for "sum")."""
-
-    @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec):
-        needs = tuple(ctx.needs_input_grad[:3])
-        student, teacher = (hs, ws, bs), (ht, wt, bt)
-        chunked = spec.strategy == "chunked" and any(needs)
-        unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
-        out, stats, dx, dw, db = forward(student, teacher, targets, counted, spec, needs if chunked else (False,) * 3,
-                                         unscale)
-        # Separate tensors, not views of ``out``: autograd treats each output on its own.
-        rows, entropy, log_probs = (t.clone() for t in out)
-        div = rows if denominator is None else rows.sum() / denominator
-        ctx.spec, ctx.needs, ctx.chunked = spec, needs, chunked
-        ctx.dtypes = (hs.dtype, ws.dtype, bs.dtype if bs is not None else hs.dtype)
-        ctx.has_denominator = denominator is not None
-        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, targets, counted, stats, denominator, dx, dw, db)
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(entropy)
-        return div, entropy, log_probs
-
-    @staticmethod
-    def backward(ctx, grad_div, _grad_entropy, grad_lp):
-        hs, ws, bs, ht, wt, bt, targets, counted, stats, denominator, dx, dw, db = ctx.saved_tensors
-        student, teacher = (hs, ws, bs), (ht, wt, bt)
-        spec, needs = ctx.spec, ctx.needs
-        n = hs.shape[0]
-        grads = [None, None, None]
-        if ctx.chunked and grad_div is not None:
-            empty = hs.new_empty((0,))
-            grads = list(ops.scale_gradients(*(t if t is not None else empty for t in (dx, dw, db)),
-                                             grad_div.reshape(()), *ctx.dtypes))
-            grads = [g if need else None for g, need in zip(grads, needs)]
-            grad_div = None
-        if grad_div is not None or grad_lp is not None:
-            coef = torch.zeros((2, n), dtype=torch.float32, device=hs.device)
-            if grad_div is not None:
-                coef[0] = grad_div.float() / denominator if ctx.has_denominator else grad_div.float()
-            if grad_lp is not None:
-                coef[1] = grad_lp.float()
-            more = backward(student, teacher, targets, counted, stats, coef, spec, needs)
-            grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
-        return (*grads, None, None, None, None, None, None, None)

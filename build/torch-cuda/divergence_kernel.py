@@ -35,13 +35,15 @@ def log1p(x):
 
 
 @triton.jit
-def logits_of(acc_ptrs, bias_ptr, offs_v, mask_v, tile_scale, softcap, softcap_out,
+def logits_of(acc_ptrs, bias_ptr, cols, load_mask, mask_v, tile_scale, softcap, softcap_out,
               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """z for a block of one row, from its fp32 product: + bias, * scale, softcap, / T (folded into the
-    scales, ``validate.Options.kernel_scales``); -inf past V."""
-    a = tl.load(acc_ptrs, mask=mask_v, other=0.0)
+    """z for a block of rows (any shape), from its fp32 products at ``acc_ptrs`` (class ids ``cols``):
+    + bias, * scale, softcap, / T (folded into the scales, ``validate.Options.kernel_scales``).
+    Products outside ``load_mask`` read as 0 (finite z: a skipped row's statistics stay finite);
+    -inf outside ``mask_v`` (past V)."""
+    a = tl.load(acc_ptrs, mask=load_mask, other=0.0)
     if HAS_BIAS:
-        a += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        a += tl.load(bias_ptr + cols, mask=mask_v, other=0.0).to(tl.float32)
     a = a * tile_scale
     if HAS_SOFTCAP:
         a = softcap_out * tanh(a / softcap)
@@ -49,10 +51,10 @@ def logits_of(acc_ptrs, bias_ptr, offs_v, mask_v, tile_scale, softcap, softcap_o
 
 
 @triton.jit
-def row_terms(ls, lt, mask_v, beta, log_a, log_b, MODE: tl.constexpr):
+def row_terms(ls, lt, mask, beta, log_a, log_b, MODE: tl.constexpr):
     """(term, g) of a block: the divergence's summands and the student's g (0 for the forward KL,
-    whose da needs none), 0 past V."""
-    d = tl.where(mask_v, lt - ls, 0.0)
+    whose da needs none), 0 outside ``mask``."""
+    d = tl.where(mask, lt - ls, 0.0)
     p_s = tl.exp(ls)
     p_t = tl.exp(lt)
     if MODE == FORWARD_KL:
@@ -69,7 +71,7 @@ def row_terms(ls, lt, mask_v, beta, log_a, log_b, MODE: tl.constexpr):
         r_t = tl.where(upper, -log_b, d - log_a) - s  # log(p_t / m)
         term = beta * p_t * r_t - (1.0 - beta) * p_s * q
         g = -(1.0 - beta) * q
-    return tl.where(mask_v, term, 0.0), tl.where(mask_v, g, 0.0)
+    return tl.where(mask, term, 0.0), tl.where(mask, g, 0.0)
 
 
 @triton.jit
@@ -85,6 +87,7 @@ def divergence_row_kernel(
     stats_ptr,  # (3, N) fp32: lse_s, lse_t, sum_v p_s g; out, or in when STATS_KNOWN
     out_ptr,  # (3, N) fp32 out when VALUES: divergence, entropy, target log-prob
     row0,
+    R,
     V,
     N,
     stride_zs,
@@ -105,136 +108,144 @@ def divergence_row_kernel(
     STATS_KNOWN: tl.constexpr,
     VALUES: tl.constexpr,
     WRITE_DA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BF16_EMULATION: tl.constexpr,
 ):
-    """Grid (R,): one program a row, its vocabulary in BLOCK_V blocks, in increasing order. Pass 1
-    (unless STATS_KNOWN): both rows' lse (online max and sum). Pass 2 (VALUES): the divergence,
-    entropy, sum_v p_s g, and for the forward KL with WRITE_DA also da. Pass 3 (WRITE_DA, reverse KL
-    and JSD): da. da is written over zt's own row as its blocks are read: da's block of a row lies in
-    bytes already read (a 16-bit da in the first half of the fp32 row; an fp32 one on it).
+    """Grid (cdiv(R, BLOCK_N),): one program a block of rows, their vocabulary in BLOCK_V blocks, in
+    increasing order. Pass 1 (unless STATS_KNOWN): both rows' lse (online max and sum). Pass 2
+    (VALUES): the divergence, entropy, sum_v p_s g, and for the forward KL with WRITE_DA also da.
+    Pass 3 (WRITE_DA, reverse KL and JSD): da. da is written over zt's own rows as their blocks are
+    read: da's block of a row lies in bytes already read (a 16-bit da in the first half of the fp32
+    row; an fp32 one on it).
 
-    da = chain * softcap'(z_s) * (c_div * dz_div + c_lp * (onehot(t) - p_s)). An uncounted row
-    reads nothing: zeros everywhere. A counted row whose target is outside [0, V) gets NaN values
-    and a NaN da (the loss's rule). No atomics."""
-    local = tl.program_id(0).to(tl.int64)
-    row = row0 + local
+    da = chain * softcap'(z_s) * (c_div * dz_div + c_lp * (onehot(t) - p_s)). Uncounted rows read
+    nothing and get zeros everywhere; a block of them only writes its zeros. A counted row whose
+    target is outside [0, V) gets NaN values and a NaN da (the loss's rule). No atomics."""
+    local = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = local < R
+    rows = row0 + tl.where(mask_n, local, 0)
     offs = tl.arange(0, BLOCK_V).to(tl.int64)
-    zs_row = zs_ptr + local * stride_zs
-    zt_row = zt_ptr + local * stride_zt
-    da_row = da_ptr + local * stride_da
-    counted = tl.load(counted_ptr + row) != 0
-    bad = 0.0
-    t = 0
+    zs_rows = zs_ptr + local[:, None] * stride_zs
+    zt_rows = zt_ptr + local[:, None] * stride_zt
+    da_rows = da_ptr + local[:, None] * stride_da
+    counted = (tl.load(counted_ptr + rows, mask=mask_n, other=0) != 0) & mask_n
+    bad = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.int64)
     if HAS_TARGETS:
-        t = tl.load(targets_ptr + row * stride_t)
+        t = tl.load(targets_ptr + rows * stride_t, mask=mask_n, other=0).to(tl.int64)
         bad = tl.where(counted & ((t < 0) | (t >= V)), float("nan"), 0.0)
         t = tl.where((t >= 0) & (t < V), t, 0)
-    if counted:
+    any_counted = tl.max(counted.to(tl.int32), axis=0) > 0
+    if any_counted:
         if STATS_KNOWN:
-            lse_s = tl.load(stats_ptr + row)
-            lse_t = tl.load(stats_ptr + N + row)
-            spg = tl.load(stats_ptr + 2 * N + row)
+            lse_s = tl.load(stats_ptr + rows, mask=counted, other=0.0)
+            lse_t = tl.load(stats_ptr + N + rows, mask=counted, other=0.0)
+            spg = tl.load(stats_ptr + 2 * N + rows, mask=counted, other=0.0)
         else:
-            m_s = float("-inf")
-            m_t = float("-inf")
-            sum_s = 0.0
-            sum_t = 0.0
+            m_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+            m_t = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+            sum_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            sum_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 offs_v = v0 + offs
-                mask_v = offs_v < V
-                z_s = logits_of(zs_row + offs_v, bias_s_ptr, offs_v, mask_v, scale_s, cap_s, cap_out_s,
-                                HAS_BIAS_S, SOFTCAP_S)
-                z_t = logits_of(zt_row + offs_v, bias_t_ptr, offs_v, mask_v, scale_t, cap_t, cap_out_t,
-                                HAS_BIAS_T, SOFTCAP_T)
-                new_s = tl.maximum(m_s, tl.max(z_s, axis=0))
-                new_t = tl.maximum(m_t, tl.max(z_t, axis=0))
-                sum_s = sum_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(z_s - new_s), axis=0)
-                sum_t = sum_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(z_t - new_t), axis=0)
+                mask_v = (offs_v < V)[None, :]
+                live = counted[:, None] & mask_v
+                z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
+                                cap_out_s, HAS_BIAS_S, SOFTCAP_S)
+                z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
+                                cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+                new_s = tl.maximum(m_s, tl.max(z_s, axis=1))
+                new_t = tl.maximum(m_t, tl.max(z_t, axis=1))
+                sum_s = sum_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(z_s - new_s[:, None]), axis=1)
+                sum_t = sum_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(z_t - new_t[:, None]), axis=1)
                 m_s = new_s
                 m_t = new_t
             lse_s = m_s + tl.log(sum_s)
             lse_t = m_t + tl.log(sum_t)
-            spg = 0.0
+            spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if VALUES:
-            div = 0.0
-            ent = 0.0
-            spg = 0.0
+            div = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            ent = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 offs_v = v0 + offs
-                mask_v = offs_v < V
-                z_s = logits_of(zs_row + offs_v, bias_s_ptr, offs_v, mask_v, scale_s, cap_s, cap_out_s,
-                                HAS_BIAS_S, SOFTCAP_S)
-                z_t = logits_of(zt_row + offs_v, bias_t_ptr, offs_v, mask_v, scale_t, cap_t, cap_out_t,
-                                HAS_BIAS_T, SOFTCAP_T)
-                ls = tl.where(mask_v, z_s - lse_s, 0.0)
-                lt = tl.where(mask_v, z_t - lse_t, 0.0)
-                term, g = row_terms(ls, lt, mask_v, beta, log_a, log_b, MODE)
-                p_s = tl.where(mask_v, tl.exp(ls), 0.0)
-                div += tl.sum(term, axis=0)
-                ent -= tl.sum(p_s * ls, axis=0)
-                spg += tl.sum(p_s * g, axis=0)
+                mask_v = (offs_v < V)[None, :]
+                live = counted[:, None] & mask_v
+                z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
+                                cap_out_s, HAS_BIAS_S, SOFTCAP_S)
+                z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
+                                cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+                ls = tl.where(live, z_s - lse_s[:, None], 0.0)
+                lt = tl.where(live, z_t - lse_t[:, None], 0.0)
+                term, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                p_s = tl.where(live, tl.exp(ls), 0.0)
+                div += tl.sum(term, axis=1)
+                ent -= tl.sum(p_s * ls, axis=1)
+                spg += tl.sum(p_s * g, axis=1)
                 if WRITE_DA and MODE == FORWARD_KL:
-                    da = _da(z_s, ls, lt, g, spg, offs_v, mask_v, t, row, N, coef_ptr, chain_s, cap_out_s, bad,
-                             MODE, SOFTCAP_S, HAS_TARGETS)
-                    tl.store(da_row + offs_v, round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION), mask=mask_v)
-            log_p = 0.0
+                    da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s,
+                             bad, MODE, SOFTCAP_S, HAS_TARGETS)
+                    tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
+                             mask=mask_n[:, None] & mask_v)
+            log_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
             if HAS_TARGETS:
-                z_tgt = logits_of(zs_row + t + offs * 0, bias_s_ptr, t + offs * 0, offs == 0, scale_s, cap_s,
+                z_tgt = logits_of(zs_ptr + local * stride_zs + t, bias_s_ptr, t, counted, mask_n, scale_s, cap_s,
                                   cap_out_s, HAS_BIAS_S, SOFTCAP_S)
-                log_p = tl.max(z_tgt, axis=0) - lse_s + bad
-            tl.store(out_ptr + row, div + bad)
-            tl.store(out_ptr + N + row, ent)
-            tl.store(out_ptr + 2 * N + row, log_p)
-            tl.store(stats_ptr + row, lse_s)
-            tl.store(stats_ptr + N + row, lse_t)
-            tl.store(stats_ptr + 2 * N + row, spg)
+                log_p = tl.where(counted, z_tgt - lse_s + bad, 0.0)
+            tl.store(out_ptr + rows, tl.where(counted, div + bad, 0.0), mask=mask_n)
+            tl.store(out_ptr + N + rows, tl.where(counted, ent, 0.0), mask=mask_n)
+            tl.store(out_ptr + 2 * N + rows, log_p, mask=mask_n)
+            tl.store(stats_ptr + rows, lse_s, mask=mask_n)
+            tl.store(stats_ptr + N + rows, lse_t, mask=mask_n)
+            tl.store(stats_ptr + 2 * N + rows, spg, mask=mask_n)
         if WRITE_DA and (MODE != FORWARD_KL or not VALUES):
             for v0 in range(0, V, BLOCK_V):
                 offs_v = v0 + offs
-                mask_v = offs_v < V
-                z_s = logits_of(zs_row + offs_v, bias_s_ptr, offs_v, mask_v, scale_s, cap_s, cap_out_s,
-                                HAS_BIAS_S, SOFTCAP_S)
-                z_t = logits_of(zt_row + offs_v, bias_t_ptr, offs_v, mask_v, scale_t, cap_t, cap_out_t,
-                                HAS_BIAS_T, SOFTCAP_T)
-                ls = tl.where(mask_v, z_s - lse_s, 0.0)
-                lt = tl.where(mask_v, z_t - lse_t, 0.0)
-                _, g = row_terms(ls, lt, mask_v, beta, log_a, log_b, MODE)
-                da = _da(z_s, ls, lt, g, spg, offs_v, mask_v, t, row, N, coef_ptr, chain_s, cap_out_s, bad,
+                mask_v = (offs_v < V)[None, :]
+                live = counted[:, None] & mask_v
+                z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
+                                cap_out_s, HAS_BIAS_S, SOFTCAP_S)
+                z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
+                                cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+                ls = tl.where(live, z_s - lse_s[:, None], 0.0)
+                lt = tl.where(live, z_t - lse_t[:, None], 0.0)
+                _, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
                          MODE, SOFTCAP_S, HAS_TARGETS)
-                tl.store(da_row + offs_v, round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION), mask=mask_v)
+                tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
+                         mask=mask_n[:, None] & mask_v)
     else:
         if VALUES:
-            tl.store(out_ptr + row, 0.0)
-            tl.store(out_ptr + N + row, 0.0)
-            tl.store(out_ptr + 2 * N + row, 0.0)
-            tl.store(stats_ptr + row, 0.0)
-            tl.store(stats_ptr + N + row, 0.0)
-            tl.store(stats_ptr + 2 * N + row, 0.0)
+            zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k in range(3):
+                tl.store(out_ptr + k * N + rows, zero, mask=mask_n)
+                tl.store(stats_ptr + k * N + rows, zero, mask=mask_n)
         if WRITE_DA:
             for v0 in range(0, V, BLOCK_V):
                 offs_v = v0 + offs
-                zero = tl.zeros((BLOCK_V,), dtype=tl.float32)
-                tl.store(da_row + offs_v, zero.to(da_ptr.dtype.element_ty), mask=offs_v < V)
+                zero = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+                tl.store(da_rows + offs_v[None, :], zero.to(da_ptr.dtype.element_ty),
+                         mask=mask_n[:, None] & (offs_v < V)[None, :])
 
 
 @triton.jit
-def _da(z_s, ls, lt, g, spg, offs_v, mask_v, t, row, N, coef_ptr, chain_s, cap_out_s, bad,
+def _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
         MODE: tl.constexpr, SOFTCAP_S: tl.constexpr, HAS_TARGETS: tl.constexpr):
     """da of a block (fp32): the divergence's dz (p_s - p_t from each side's own exp for the forward
-    KL, else p_s (g - sum p_s g)) and the log-prob's, weighted by the row's coefficients, through
-    the softcap / scale / temperature chain. 0 past V."""
+    KL, else p_s (g - sum p_s g)) and the log-prob's, weighted by the rows' coefficients, through
+    the softcap / scale / temperature chain. 0 outside ``live`` (past V, uncounted rows)."""
     p_s = tl.exp(ls)
-    c_div = tl.load(coef_ptr + row)
+    c_div = tl.load(coef_ptr + rows, mask=counted, other=0.0)
     if MODE == FORWARD_KL:
         dz = p_s - tl.exp(lt)
     else:
-        dz = p_s * (g - spg)
-    dz = c_div * dz
+        dz = p_s * (g - spg[:, None])
+    dz = c_div[:, None] * dz
     if HAS_TARGETS:
-        c_lp = tl.load(coef_ptr + N + row)
-        dz += c_lp * (tl.where(offs_v == t, 1.0, 0.0) - p_s)
-    dz = dz * chain_s + bad
+        c_lp = tl.load(coef_ptr + N + rows, mask=counted, other=0.0)
+        dz += c_lp[:, None] * (tl.where(offs_v[None, :] == t[:, None], 1.0, 0.0) - p_s)
+    dz = dz * chain_s + bad[:, None]
     if SOFTCAP_S:
         dz = dz * softcap_grad(z_s, cap_out_s)
-    return tl.where(mask_v, dz, 0.0)
+    return tl.where(live, dz, 0.0)

@@ -35,8 +35,17 @@ def ours(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fused_linear_ce.ChunkedLogProbFunction, "apply", staticmethod(counted))
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", trl_utils._ChunkedLogProbFunction)
+    _restore_trl(monkeypatch)
     return calls
+
+
+def _restore_trl(monkeypatch):
+    """Everything ``use_in_trl`` replaces is put back after the test (the distillation drop-ins too)."""
+    import trl.trainer.distillation_trainer as trl_distillation
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", trl_utils._ChunkedLogProbFunction)
+    for name in fused_linear_ce.trl_distill.TRL_DISTILL_NAMES:
+        monkeypatch.setattr(trl_distillation, name, getattr(trl_distillation, name))
 
 
 def test_contract_is_trls():
@@ -178,7 +187,7 @@ def test_the_drop_in_runs_within_its_budget_and_use_in_trl_sets_another(monkeypa
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fused_linear_ce.trl_head, "fused_linear_logprobs", spy)
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", trl_utils._ChunkedLogProbFunction)
+    _restore_trl(monkeypatch)
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(40, 32, generator=g).to(DEVICE)
     weight = torch.randn(VOCAB, 32, generator=g).to(DEVICE)
@@ -188,7 +197,7 @@ def test_the_drop_in_runs_within_its_budget_and_use_in_trl_sets_another(monkeypa
         fused_linear_ce.use_in_trl(chunk_bytes=0)
     assert trl_utils._ChunkedLogProbFunction is not fused_linear_ce.ChunkedLogProbFunction
     small = 40 * 16 * 4  # blocks of 16 vocabulary columns
-    previous = fused_linear_ce.use_in_trl(chunk_bytes=small)
+    previous = fused_linear_ce.use_in_trl(chunk_bytes=small)["trl.trainer.utils._ChunkedLogProbFunction"]
     head = trl_utils._ChunkedLogProbFunction
     assert previous is not head and head.chunk_bytes == small
     theirs = list(inspect.signature(trl.kernels.ChunkedLogProbFunction.forward).parameters.values())[1:]

@@ -2,7 +2,7 @@
 
 import torch
 
-from . import tokens
+from . import tokens, topk as _topk
 from .api import _autocast, _shift
 from .validate import Options, check_flag, check_inputs, check_process_group
 
@@ -31,6 +31,7 @@ def fused_linear_logprobs(
     process_group=None,
     chunk_bytes: int | None = None,
     strategy: str = "auto",
+    topk: bool = False,
 ) -> dict:
     """Per-token ``log_softmax(z)[t]`` and, on request, the entropy, ``log sum p^2``, the mean logit
     and whether the target is the top-1 class, for ``z = softcap((hidden @ weight.T + bias) *
@@ -57,6 +58,15 @@ def fused_linear_logprobs(
             (ValueError), and it backwards once per forward. "auto" (default): "chunked" where it is
             possible, else "recompute". Without gradients (``torch.no_grad``, a reference model)
             both run the forward sweep alone.
+        topk: k targets per row (the top-k ids a teacher served elsewhere sends): ``targets`` is
+            (..., k), hidden's leading shape plus a trailing k >= 1, and ``log_probs`` is (..., k),
+            the log-prob of each id, 0 where the id is ``ignore_index`` (padding), NaN where it is out
+            of [0, V); differentiable, ``d/dz = sum_j u_j (onehot(t_j) - p)`` over the non-padded ids.
+            One sweep (the lse, through the row's first id in range) and the k logits gathered in
+            fp32 (N x k x H, in blocks of rows; no (N, V) tensor). The other fields stay per row
+            (...); "is_top1" and ``process_group`` are refused. ``shift`` moves the ids along the
+            second-to-last dim. An explicit flag: a (N, k) targets tensor with 2-D hidden is never
+            guessed to be k ids per row.
 
     Returns:
         A dict {field: tensor of targets' shape}, the requested fields in the order above: fp32, and
@@ -71,6 +81,14 @@ def fused_linear_logprobs(
         >>> (-(out["log_probs"] * advantages).mean() - 0.01 * out["entropy"].mean()).backward()
     """
     fields = _check_outputs(outputs)
+    check_flag("topk", topk)
+    if topk:
+        check_flag("shift", shift)
+        _topk.check_topk(hidden, weight, targets, fields, process_group)
+        return _topk.topk_log_probs(fused_linear_logprobs, hidden, weight, targets, bias, temperature=temperature,
+                                    logit_scale=logit_scale, softcap=softcap, outputs=fields,
+                                    ignore_index=ignore_index, shift=shift, chunk_bytes=chunk_bytes,
+                                    strategy=strategy)
     opts = Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction="none",
                    chunk_bytes=chunk_bytes, strategy=strategy, temperature=temperature, outputs=fields)
     hidden, weight, bias = _autocast(hidden, weight, bias, keep_fp32_weight=True)

@@ -3,8 +3,8 @@
 
 TRL's trainers (SFT, GRPO, RLOO, DPO, KTO) patch the model with ``trl.trainer.utils.add_fused_lm_head``,
 which calls ``ChunkedLogProbFunction.apply`` for the per-token fields. ``use_in_trl()`` makes it call
-this kernel instead (two lines in a training script; see the README). Written from TRL's public
-signature and docstrings only.
+this kernel instead (two lines in a training script; see the README), and TRL's distillation trainer
+use ``trl_distill``'s. Written from TRL's public signature and docstrings only.
 """
 
 import torch
@@ -76,14 +76,30 @@ class ChunkedLogProbFunction:
     apply = staticmethod(chunked_log_probs)
 
 
-def use_in_trl(*, chunk_bytes=None):
+class Replaced(dict):
+    """What ``use_in_trl`` replaced: {"module.attribute": what was there}; ``restore()`` puts each back."""
+
+    def restore(self) -> None:
+        import importlib
+
+        for where, previous in self.items():
+            module, name = where.rsplit(".", 1)
+            setattr(importlib.import_module(module), name, previous)
+
+
+def use_in_trl(*, chunk_bytes=None) -> Replaced:
     """Makes TRL's fused LM head (``add_fused_lm_head``, every trainer's loss head) compute its
-    per-token fields with this kernel, for every model patched from now on and those already patched.
-    ``chunk_bytes``: the kernel's memory budget (``fused_linear_logprobs``'s knob); None:
-    ``trl_chunk_bytes`` (the package default up to 16384 x 2048 or 8192 x 4096 tokens x hidden, 6 N H
-    bytes beyond, at most 2 GiB). Returns what it replaced (assign it back to undo). Raises RuntimeError when the
-    installed TRL does not have the head this replaces (TRL 1.16's
-    ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad ``chunk_bytes``."""
+    per-token fields with this kernel, for every model patched from now on and those already patched;
+    and TRL's distillation trainer (``trl.trainer.distillation_trainer``: its ``ChunkedDivergenceFunction``
+    and its ``_chunked_divergence_loss``) its divergence with ``fused_linear_divergence``
+    (``trl_distill``), where the installed TRL has them.
+    ``chunk_bytes``: the kernels' memory budget (``fused_linear_logprobs``' and
+    ``fused_linear_divergence``'s knob); None: ``trl_chunk_bytes`` for the LM head (the package default
+    up to 16384 x 2048 or 8192 x 4096 tokens x hidden, 6 N H bytes beyond, at most 2 GiB) and the
+    divergence's default. Returns what it replaced, a ``Replaced`` {"module.attribute": previous}:
+    ``.restore()`` undoes it. Raises RuntimeError when the installed TRL does not have the head this
+    replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad
+    ``chunk_bytes``."""
     check_chunk_bytes(chunk_bytes)
     head = ChunkedLogProbFunction if chunk_bytes is None else _head_with_budget(chunk_bytes)
     try:
@@ -95,9 +111,13 @@ def use_in_trl(*, chunk_bytes=None):
 
         raise RuntimeError(f"TRL {trl.__version__} has no trl.trainer.utils._ChunkedLogProbFunction to replace; "
                            "this drop-in follows TRL 1.16's fused LM head")
-    previous = trl_utils._ChunkedLogProbFunction
+    replaced = Replaced({"trl.trainer.utils._ChunkedLogProbFunction": trl_utils._ChunkedLogProbFunction})
     trl_utils._ChunkedLogProbFunction = head
-    return previous
+    from . import trl_distill
+
+    previous = trl_distill.install(chunk_bytes)
+    replaced.update((f"trl.trainer.distillation_trainer.{name}", was) for name, was in previous.items())
+    return replaced
 
 
 def _head_with_budget(chunk_bytes: int):
@@ -112,4 +132,4 @@ def _head_with_budget(chunk_bytes: int):
                                                "chunk_bytes": chunk_bytes})
 
 
-__all__ = ["ChunkedLogProbFunction", "chunked_log_probs", "trl_chunk_bytes", "use_in_trl"]
+__all__ = ["ChunkedLogProbFunction", "Replaced", "chunked_log_probs", "trl_chunk_bytes", "use_in_trl"]

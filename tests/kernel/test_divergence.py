@@ -1,0 +1,363 @@
+"""fused_linear_divergence against the float64 plain-torch reference (``reference.linear_divergence``):
+forward KL, reverse KL and the generalized JSD, their values, the student's entropy and target
+log-prob, and the gradients of hidden, weight and bias for random upstream gradients, on both
+strategies, in several chunks, under every option; extremes stay finite and right; bad inputs raise
+before any kernel.
+
+CPU (the Triton interpreter) runs fp32 and fp16 at small odd sizes; bf16 is covered by the GPU run
+(``test_gpu_bf16_realistic`` and the parametrised cases, which take bf16 there): the interpreter's
+``tl.dot`` is wrong for bf16 operands (triton#11584).
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU, rel_err
+from fused_linear_ce import divergence, fused_linear_divergence, reference
+
+N, H_S, H_T, V = (53, 96, 128, 1000) if ON_GPU else (37, 48, 80, 300)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, **({"bf16": torch.bfloat16} if ON_GPU else {})}
+# Values come from fp32 logits of inputs exact in every dtype: fp32 rounding only. Gradients are
+# rounded once into the dtype (twice for dX with a log-prob gradient on the chunked strategy).
+VALUE_TOL = 2e-5
+GRAD_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+# Forces several chunks: 16 rows of two fp32 buffers (three chunks, the last one ragged).
+SMALL_CHUNKS = 8 * V * 16
+
+
+def _inputs(dtype, *, seed=0, bias=False, teacher_bias=False, lead=None, peaked=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = lead if lead is not None else (N,)
+    hs = torch.randn(*shape, H_S, generator=g)
+    ws = torch.randn(V, H_S, generator=g) / H_S**0.5 * 2
+    ht = torch.randn(*shape, H_T, generator=g)
+    wt = torch.randn(V, H_T, generator=g) / H_T**0.5 * 2
+    targets = torch.randint(0, V, shape, generator=g)
+    flat = targets.view(-1)
+    flat[3] = -100
+    flat[7:10] = -100
+    if peaked:  # a near one-hot teacher: its target logit ~40 above the rest
+        wt[flat.clamp(min=0)] += 40.0 * ht.reshape(-1, H_T) / ht.reshape(-1, H_T).norm(dim=1, keepdim=True) ** 2
+    cast = lambda t: t.to(dtype).to(DEVICE)  # noqa: E731
+    out = dict(student_hidden=cast(hs).requires_grad_(), student_weight=cast(ws).requires_grad_(),
+               teacher_hidden=cast(ht), teacher_weight=cast(wt), targets=targets.to(DEVICE))
+    if bias:
+        out["student_bias"] = cast(torch.randn(V, generator=g)).requires_grad_()
+    if teacher_bias:
+        out["teacher_bias"] = cast(torch.randn(V, generator=g))
+    return out
+
+
+def _leaves(inputs):
+    return [inputs[k] for k in ("student_hidden", "student_weight", "student_bias")
+            if k in inputs and inputs[k].requires_grad]
+
+
+def _run(fn, inputs, kwargs, upstream, lp_upstream):
+    """(divergence, fields, gradients of <div, upstream> + <log_probs, lp_upstream>)."""
+    leaves = _leaves(inputs)
+    res = fn(**inputs, **kwargs)
+    div, fields = res if isinstance(res, tuple) else (res, {})
+    total = (div * upstream.to(div.dtype)).sum()
+    if lp_upstream is not None:
+        total = total + (fields["log_probs"] * lp_upstream.to(div.dtype)).sum()
+    grads = torch.autograd.grad(total, leaves) if leaves else ()
+    return div, fields, grads
+
+
+def _check(inputs, dtype, lp_grad=False, seed=1, three_way=False, **kwargs):
+    """Ours against the float64 reference: values, fields, and every student gradient. ``three_way``:
+    a gradient may also be off by plain torch's own fp32 error (``reference`` in fp32) plus the
+    tolerance, where the fp32 products themselves limit it (huge logits)."""
+    kwargs.setdefault("outputs", ("entropy", "log_probs") if "targets" in inputs else ())
+    g = torch.Generator().manual_seed(seed)
+    reduction = kwargs.get("reduction", "mean")
+    lead = inputs["student_hidden"].shape[:-1]
+    upstream = (torch.randn(lead, generator=g) if reduction == "none" else torch.tensor(1.7)).to(DEVICE)
+    lp_upstream = torch.randn(lead, generator=g).to(DEVICE) if lp_grad and "log_probs" in kwargs["outputs"] else None
+    div, fields, grads = _run(fused_linear_divergence, inputs, kwargs, upstream, lp_upstream)
+    ref_inputs = {k: (v.detach().double().requires_grad_(v.requires_grad) if v.is_floating_point() else v)
+                  for k, v in inputs.items()}
+    rdiv, rfields, rgrads = _run(reference.linear_divergence, ref_inputs, kwargs, upstream.double(),
+                                 lp_upstream.double() if lp_upstream is not None else None)
+    assert div.dtype == torch.float32 and div.shape == rdiv.shape
+    assert rel_err(div, rdiv) <= VALUE_TOL, (rel_err(div, rdiv), div, rdiv)
+    assert set(fields) == set(rfields)
+    for name in fields:
+        assert fields[name].shape == lead
+        assert rel_err(fields[name], rfields[name]) <= VALUE_TOL, name
+    assert "entropy" not in fields or not fields["entropy"].requires_grad
+    plain = [0.0] * len(grads)
+    if three_way:
+        fp32_inputs = {k: (v.detach().float().requires_grad_(v.requires_grad) if v.is_floating_point() else v)
+                       for k, v in inputs.items()}
+        fp32 = _run(lambda **a: reference.linear_divergence(**a, compute_dtype=torch.float32), fp32_inputs, kwargs,
+                    upstream, lp_upstream)[2]
+        plain = [rel_err(g, want) for g, want in zip(fp32, rgrads)]
+    for got, want, leaf, base in zip(grads, rgrads, _leaves(inputs), plain):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        assert rel_err(got, want) <= base + GRAD_TOL[dtype], (rel_err(got, want), base, leaf.shape)
+    return div, fields, grads
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_matches_reference_fp32(beta, reduction):
+    """With a random upstream gradient on log_probs too where beta is 0.3 (on the chunked strategy its
+    gradient comes from a recompute in the backward)."""
+    _check(_inputs(torch.float32, bias=True), torch.float32, lp_grad=beta == 0.3, beta=beta, reduction=reduction,
+           temperature=1.5)
+
+
+@pytest.mark.parametrize("dtype", [d for name, d in DTYPES.items() if name != "fp32"], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("beta,reduction", [(0.0, "mean"), (0.3, "none"), (0.5, "sum"), (1.0, "mean")])
+def test_matches_reference_16bit(beta, reduction, dtype):
+    _check(_inputs(dtype, bias=True), dtype, lp_grad=reduction == "none", beta=beta, reduction=reduction)
+
+
+OPTION_CASES = {
+    "softcaps": dict(student_softcap=3.0, teacher_softcap=5.0, beta=0.5),
+    "scales_temperature": dict(student_logit_scale=0.7, teacher_logit_scale=1.3, temperature=0.6, beta=1.0),
+    "softcap_temperature_fkl": dict(student_softcap=4.0, temperature=2.0, beta=0.0),
+    "recompute_mean": dict(strategy="recompute", beta=0.3, student_softcap=6.0, lp_grad=True),
+    "no_targets": dict(beta=0.3, outputs=("entropy",)),
+    "num_items_int": dict(beta=0.0, num_items_in_batch=50),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_options(case):
+    kwargs = dict(OPTION_CASES[case])
+    inputs = _inputs(torch.float32, bias=True, teacher_bias=True)
+    if case == "no_targets":
+        inputs.pop("targets")
+    _check(inputs, torch.float32, **kwargs)
+
+
+def test_num_items_tensor_and_sum():
+    inputs = _inputs(torch.float32)
+    a = fused_linear_divergence(**inputs, beta=0.3, num_items_in_batch=torch.tensor(40.0, device=DEVICE))
+    b = fused_linear_divergence(**inputs, beta=0.3, reduction="sum")
+    assert torch.allclose(a * 40, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("beta,strategy,reduction", [(0.0, "chunked", "mean"), (1.0, "recompute", "none")])
+def test_several_chunks(beta, strategy, reduction):
+    assert divergence.chunk_rows(N, V, SMALL_CHUNKS) < N
+    _check(_inputs(torch.float32, bias=True), torch.float32, beta=beta, strategy=strategy, reduction=reduction,
+           chunk_bytes=SMALL_CHUNKS, student_softcap=5.0, lp_grad=reduction == "none")
+
+
+def test_several_chunks_fp16_mask():
+    inputs = _inputs(torch.float16)
+    mask = torch.ones(N, dtype=torch.bool, device=DEVICE)
+    mask[16:32] = False  # the whole second chunk uncounted
+    _check(inputs, torch.float16, beta=0.5, mask=mask, chunk_bytes=SMALL_CHUNKS, lp_grad=True)
+
+
+def test_mask_and_ignore_index():
+    inputs = _inputs(torch.float32, bias=True)
+    mask = torch.rand(N, generator=torch.Generator().manual_seed(3)).to(DEVICE) > 0.3
+    inputs["targets"][inputs["targets"] == -100] = 7  # ignore_index 7: -100 would be out of range
+    inputs["targets"][11] = 7
+    _check(inputs, torch.float32, beta=0.3, mask=mask, ignore_index=7, reduction="none")
+    div, fields = fused_linear_divergence(**inputs, beta=0.3, mask=mask, ignore_index=7, reduction="none",
+                                          outputs=("entropy", "log_probs"))
+    uncounted = ~mask | (inputs["targets"] == 7)
+    for t in (div, fields["entropy"], fields["log_probs"]):
+        assert (t[uncounted] == 0).all() and (t[~uncounted] != 0).all()
+
+
+def test_leading_dims():
+    inputs = _inputs(torch.float32, lead=(3, 13))
+    div, fields, _ = _check(inputs, torch.float32, beta=0.5, reduction="none")
+    assert div.shape == (3, 13)
+
+
+@pytest.mark.parametrize("which", ["student_hidden", "student_weight"])
+def test_gradient_of_one_leaf(which):
+    inputs = _inputs(torch.float32, bias=True)
+    for name in ("student_hidden", "student_weight", "student_bias"):
+        if name != which:
+            inputs[name] = inputs[name].detach()
+    _check(inputs, torch.float32, beta=0.3)
+
+
+def test_teacher_gets_no_gradient():
+    inputs = _inputs(torch.float32, teacher_bias=True)
+    for name in ("teacher_hidden", "teacher_weight", "teacher_bias"):
+        inputs[name].requires_grad_(True)
+    div = fused_linear_divergence(**inputs, beta=0.5)
+    div.backward()
+    assert all(inputs[name].grad is None for name in ("teacher_hidden", "teacher_weight", "teacher_bias"))
+    assert inputs["student_weight"].grad is not None
+
+
+def test_no_grad_forward_values_only(monkeypatch):
+    """Without gradients nothing forms da: the chunked strategy runs its values-only sweep."""
+    inputs = _inputs(torch.float32)
+    calls = []
+    monkeypatch.setattr(divergence, "_gradient_products", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        div = fused_linear_divergence(**inputs, beta=0.5)
+    assert not calls and torch.isfinite(div)
+
+
+@pytest.mark.parametrize("beta", [1e-6, 1 - 1e-6, 0.0, 1.0])
+def test_extreme_beta_and_one_hot_teacher(beta):
+    """beta near 0 and 1 with a near one-hot teacher: finite, and right against float64."""
+    inputs = _inputs(torch.float32, peaked=True)
+    div, _, grads = _check(inputs, torch.float32, beta=beta, reduction="none")
+    assert torch.isfinite(div).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_huge_logits_with_softcap(beta):
+    """Logits of +-1e4 saturate both softcaps: p's near one-hot, the softcap's derivative 0 there. The
+    gradients are limited by the fp32 products (an error of ~1e-3 in a logit of 1e4 moves the
+    softcap's derivative ``1 - tanh^2`` by 1e-4 relative): three-way against plain fp32 torch."""
+    inputs = _inputs(torch.float32)
+    with torch.no_grad():
+        inputs["student_weight"].mul_(3e3)
+        inputs["teacher_weight"].mul_(3e3)
+    div, _, grads = _check(inputs, torch.float32, beta=beta, student_softcap=20.0, teacher_softcap=30.0,
+                           three_way=True)
+    assert torch.isfinite(div) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_out_of_range_target_is_nan():
+    inputs = _inputs(torch.float32)
+    inputs["targets"][5] = V
+    div, fields = fused_linear_divergence(**inputs, beta=0.3, reduction="none", outputs=("log_probs",))
+    assert torch.isnan(div[5]) and torch.isnan(fields["log_probs"][5])
+    assert torch.isfinite(div[torch.arange(N, device=DEVICE) != 5]).all()
+
+
+def test_nothing_counted():
+    inputs = _inputs(torch.float32)
+    mask = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    total = fused_linear_divergence(**inputs, beta=0.3, mask=mask, reduction="sum")
+    total.backward()
+    assert total == 0 and (inputs["student_weight"].grad == 0).all() and (inputs["student_hidden"].grad == 0).all()
+    assert torch.isnan(fused_linear_divergence(**inputs, beta=0.3, mask=mask))
+
+
+def test_autocast_matches_explicit_cast():
+    inputs = _inputs(torch.float32)
+    with torch.autocast(DEVICE.type, dtype=torch.float16):
+        a = fused_linear_divergence(**inputs, beta=0.3)
+    half = {k: (v.detach().half() if v.is_floating_point() else v) for k, v in inputs.items()}
+    b = fused_linear_divergence(**half, beta=0.3)
+    assert a.dtype == torch.float32 and torch.equal(a, b)
+    a.backward()
+    assert inputs["student_weight"].grad.dtype == torch.float32
+
+
+BAD = {
+    "vocabulary": (ValueError, dict(teacher_weight=torch.randn(V + 1, H_T))),
+    "student_width": (ValueError, dict(student_weight=torch.randn(V, H_S + 1))),
+    "teacher_width": (ValueError, dict(teacher_hidden=torch.randn(N, H_T - 1))),
+    "rows": (ValueError, dict(teacher_hidden=torch.randn(N + 1, H_T))),
+    "beta_high": (ValueError, dict(beta=1.5)),
+    "beta_nan": (ValueError, dict(beta=math.nan)),
+    "beta_missing": (TypeError, dict(beta=None)),
+    "temperature": (ValueError, dict(temperature=0.0)),
+    "softcap": (ValueError, dict(student_softcap=-1.0)),
+    "teacher_softcap": (ValueError, dict(teacher_softcap=0.0)),
+    "dtype": (TypeError, dict(teacher_weight=torch.randn(V, H_T, dtype=torch.float16))),
+    "float64": (TypeError, dict(student_hidden=torch.randn(N, H_S, dtype=torch.float64),
+                                student_weight=torch.randn(V, H_S, dtype=torch.float64))),
+    "targets_float": (TypeError, dict(targets=torch.zeros(N))),
+    "targets_shape": (ValueError, dict(targets=torch.zeros(N + 1, dtype=torch.long))),
+    "mask_dtype": (TypeError, dict(mask=torch.ones(N))),
+    "reduction": (ValueError, dict(reduction="max")),
+    "strategy": (ValueError, dict(strategy="fast")),
+    "chunked_none": (ValueError, dict(strategy="chunked", reduction="none")),
+    "num_items_none": (ValueError, dict(reduction="none", num_items_in_batch=3)),
+    "outputs_unknown": (ValueError, dict(outputs=("argmax",))),
+    "outputs_str": (TypeError, dict(outputs="entropy")),
+    "log_probs_without_targets": (ValueError, dict(targets=None, outputs=("log_probs",))),
+    "empty": (ValueError, dict(student_hidden=torch.randn(0, H_S), teacher_hidden=torch.randn(0, H_T),
+                               targets=torch.zeros(0, dtype=torch.long))),
+    "chunk_bytes": (ValueError, dict(chunk_bytes=0)),
+    "bias_shape": (ValueError, dict(student_bias=torch.randn(V - 1))),
+}
+
+
+@pytest.mark.parametrize("strategy,reduction", [("chunked", "mean"), ("recompute", "none")])
+def test_compiles_without_a_graph_break_and_equals_eager(strategy, reduction):
+    """torch.compile(fullgraph=True) over the two custom ops, the temperature a traced float (no
+    recompile per value): the same divergence, log-probs and gradients as eager."""
+    inputs = _inputs(torch.float32, bias=True)
+    g = torch.Generator().manual_seed(5)
+    up, up_lp = torch.randn(N, generator=g).to(DEVICE), torch.randn(N, generator=g).to(DEVICE)
+    fixed = {k: v for k, v in inputs.items() if not k.startswith("student")}
+
+    def step(hs, ws, bs, temperature):
+        div, fields = fused_linear_divergence(hs, ws, student_bias=bs, beta=0.3, temperature=temperature,
+                                              strategy=strategy, reduction=reduction, outputs=("log_probs",),
+                                              **fixed)
+        return (div * (up if reduction == "none" else 1.0)).sum() + (fields["log_probs"] * up_lp).sum()
+
+    compiled = torch.compile(step, backend="aot_eager" if not ON_GPU else "inductor", fullgraph=True)
+    for temperature in (1.0, 0.7):
+        leaves = [[t.detach().clone().requires_grad_() for t in _leaves(inputs)] for _ in range(2)]
+        expected = step(*leaves[0], temperature)
+        got = compiled(*leaves[1], temperature)
+        expected.backward()
+        got.backward()
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+        for a, b in zip(leaves[1], leaves[0]):
+            assert rel_err(a.grad, b.grad) < 1e-6
+
+
+def _no_kernel(*args, **kwargs):
+    raise AssertionError("a kernel ran before the input check")
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs_raise_before_any_kernel(case, monkeypatch):
+    error, change = BAD[case]
+    args = {**_inputs(torch.float32), "beta": 0.5}
+    args.update({k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in change.items()})
+    if args["beta"] is None:
+        del args["beta"]
+    monkeypatch.setattr(divergence, "_launch", _no_kernel)
+    monkeypatch.setattr(divergence, "_logits", _no_kernel)
+    with pytest.raises(error):
+        fused_linear_divergence(**args)
+
+
+def test_device_mismatch():
+    if not ON_GPU:
+        pytest.skip("needs a second device")
+    inputs = _inputs(torch.float32)
+    inputs["teacher_weight"] = inputs["teacher_weight"].cpu()
+    with pytest.raises(ValueError, match="one device"):
+        fused_linear_divergence(**inputs, beta=0.5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="realistic sizes in bf16 need the GPU")
+@pytest.mark.parametrize("h_t", [1024, 2048])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gpu_bf16_realistic(beta, h_t):
+    """2048 x 1024 / h_t x 32000 bf16 against an fp32 reference (the float64 logits would take 500 MiB
+    each; fp32 logits of bf16 inputs are what the kernel computes, up to the order of its sums)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h_s, v = 2048, 1024, 32000
+    hs = torch.randn(n, h_s, device="cuda", generator=g).bfloat16().requires_grad_()
+    ws = (torch.randn(v, h_s, device="cuda", generator=g) / h_s**0.5 * 3).bfloat16().requires_grad_()
+    ht = torch.randn(n, h_t, device="cuda", generator=g).bfloat16()
+    wt = (torch.randn(v, h_t, device="cuda", generator=g) / h_t**0.5 * 3).bfloat16()
+    kwargs = dict(beta=beta, temperature=2.0, student_softcap=30.0)
+    for strategy, chunk_bytes in (("chunked", 128 << 20), ("recompute", None)):
+        div = fused_linear_divergence(hs, ws, ht, wt, strategy=strategy, chunk_bytes=chunk_bytes, **kwargs)
+        gh, gw = torch.autograd.grad(div, (hs, ws))
+        leaves = [t.detach().float().requires_grad_() for t in (hs, ws)]
+        rdiv = reference.linear_divergence(leaves[0], leaves[1], ht.float(), wt.float(), compute_dtype=torch.float32,
+                                           **kwargs)
+        rgh, rgw = torch.autograd.grad(rdiv, leaves)
+        assert rel_err(div, rdiv) <= 1e-4
+        assert rel_err(gh, rgh) <= 1.2e-2 and rel_err(gw, rgw) <= 1.2e-2
