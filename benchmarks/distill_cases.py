@@ -25,7 +25,7 @@ SHAPES = {  # name: (N tokens, student H, teacher H, V)
 }
 SEQ = {"tiny": 16}  # tokens per sequence for TRL's (B, K, H) call; 2048 otherwise
 DEFAULT_SEQ = 2048
-TEACHER_TOP = 0.8  # peaked: the teacher's typical probability of its top class
+TEACHER_OFFSET = 1.65  # peaked: E[sigmoid(1.65 + Z)] = 0.80, Z ~ N(0, 1): the teacher's mean p_t(top)
 STUDENT_AGREES = 0.75  # peaked: share of tokens where the student leans onto the teacher's top class
 REF_PLANE_BYTES = 1 << 30  # the reference's logit plane per row chunk
 
@@ -48,9 +48,9 @@ def make_data(shape, dist, device, seed, dtype=torch.bfloat16, valid_frac=1.0):
     per-token weights of the reductions. |w_v|^2 ~ 4, so std-1 hidden states give logits of std 2.
 
     random: independent std-2 logits for both models. peaked: std-1 backgrounds (hidden = 0.5 * noise);
-    the teacher leans onto one class per token by log(V e^0.5) + log(4) (the background's log-sum-exp
-    plus a margin worth p_t(top) ~ TEACHER_TOP), the student by the background's log-sum-exp minus 1
-    (p_s(top) ~ 0.27), onto the teacher's class for a STUDENT_AGREES share of tokens, else a random one.
+    the teacher leans onto one class per token by log(V e^0.5) + TEACHER_OFFSET (the background's
+    log-sum-exp plus a margin; its top logit varies with std 1, so the mean p_t(top) is ~0.8), the
+    student by the background's log-sum-exp minus 1 (p_s(top) ~ 0.3), onto the teacher's class for a STUDENT_AGREES share of tokens, else a random one.
 
     Mask: each sequence of ``seq_len`` tokens keeps its first ceil(valid_frac * K) (right padding, as
     TRL pads completions). Weights: ``u_mean`` = valid / n_valid (the mean over valid tokens),
@@ -67,7 +67,7 @@ def make_data(shape, dist, device, seed, dtype=torch.bfloat16, valid_frac=1.0):
         top = torch.randint(0, v, (n,), generator=g, device=device)
         agree = torch.rand(n, generator=g, device=device) < STUDENT_AGREES
         other = torch.randint(0, v, (n,), generator=g, device=device)
-        margin_t = background + math.log(TEACHER_TOP / (1 - TEACHER_TOP))
+        margin_t = background + TEACHER_OFFSET
         x_t = _lean(0.5 * x_t, w_t, top, margin_t)
         x_s = _lean(0.5 * x_s, w_s, torch.where(agree, top, other), background - 1.0)
     elif dist != "random":

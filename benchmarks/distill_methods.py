@@ -44,8 +44,8 @@ def per_token_divergence(log_ps, log_pt, beta):
 
 def plain_divergence_loss(x_s, w_s, x_t, w_t, beta, mask=None):
     """The loss as a user writes it: logits in the input dtype, log_softmax of their .float()."""
-    log_ps = torch.log_softmax((x_s @ w_s.T).float(), dim=-1)
-    log_pt = torch.log_softmax((x_t @ w_t.T).float(), dim=-1)
+    log_ps = F.log_softmax((x_s @ w_s.T).float(), dim=-1)
+    log_pt = F.log_softmax((x_t @ w_t.T).float(), dim=-1)
     div = per_token_divergence(log_ps, log_pt, beta)
     if mask is None:
         return div.mean()
