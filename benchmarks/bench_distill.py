@@ -18,6 +18,8 @@ token), ``flce-trl`` (``use_in_trl()``, then TRL's ``_chunked_divergence_loss`` 
 (``LigerFusedLinearJSD``, ``jsd_beta`` = beta), ``torch-compile`` (the plain loss, ``dynamic=False``) and
 ``torch`` (the same eager; CPU default, GPU on request). A method that is not installed, fails or runs
 out of memory is a row with ``error``; per-(shape, method) skips (``SKIP``) are printed and listed.
+TRL's rows (``trl``, ``flce-trl``) need ``trl`` and ``datasets`` importable (``trl.trainer.utils``, which
+TRL's divergence head and trainer import, imports ``datasets``). Nothing here uses the network.
 
 Per row: ``fwdbwd_ms``, the median over ``--rounds`` interleaved rounds (every method of the case in
 each round, the order rotated per round; a round's figure is the median of ``--reps`` calls, fewer for
