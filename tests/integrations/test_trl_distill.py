@@ -4,7 +4,7 @@ entropies, losses, entropy sums, counts and student gradients, and the same ``Di
 (a tiny student and a wider tiny teacher) before and after ``use_in_trl()``.
 
 CPU cases are fp32 and fp16 (TRL's head runs its torch path on the CPU); bf16 is covered by the GPU
-case (``test_bf16_loss_on_gpu``): the interpreter's ``tl.dot`` is wrong for bf16 operands (Triton
+case (``test_bf16_loss_and_head_on_gpu``): the interpreter's ``tl.dot`` is wrong for bf16 operands (Triton
 issue 11584).
 """
 
@@ -59,8 +59,8 @@ def _run_loss(fn, inputs, beta, **kwargs):
     hs, ht, ws, wt, bs, bt, mask = inputs
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (hs, ws, bs)]
     teacher_weight = wt.clone().requires_grad_()  # a teacher parameter: neither side gives it a gradient
-    loss, entropy_sum, n_valid = fn(leaves[0], ht, leaves[1], teacher_weight, mask, beta, student_lm_head_bias=leaves[2],
-                                    teacher_lm_head_bias=bt, **kwargs)
+    loss, entropy_sum, n_valid = fn(leaves[0], ht, leaves[1], teacher_weight, mask, beta,
+                                    student_lm_head_bias=leaves[2], teacher_lm_head_bias=bt, **kwargs)
     loss.backward()
     assert teacher_weight.grad is None and not entropy_sum.requires_grad
     return loss, entropy_sum, n_valid, [t.grad if t is not None else None for t in leaves]
@@ -100,9 +100,8 @@ def test_loss_edge_cases_match_trls():
     (an fp16 teacher with an fp32 student and weights in another dtype than their hidden states)."""
     inputs = _inputs(torch.float32, seed=3)
     masked = (*inputs[:-1], torch.zeros_like(inputs[-1]))
-    for args, kwargs in (((masked, 0.5), dict(num_items_in_batch=None)),
-                         (([t[:1, :1] if t is not None and t.dim() >= 2 and t.shape[0] == B else t for t in inputs], 0.2),
-                          dict(num_items_in_batch=3))):
+    one_row = [t[:1, :1] if t is not None and t.dim() >= 2 and t.shape[0] == B else t for t in inputs]
+    for args, kwargs in (((masked, 0.5), dict(num_items_in_batch=None)), ((one_row, 0.2), dict(num_items_in_batch=3))):
         theirs, mine = _run_loss(THEIR_LOSS, *args, **kwargs), _run_loss(trl_distill.chunked_divergence_loss, *args,
                                                                          **kwargs)
         assert rel_err(mine[0], theirs[0]) < 2e-5 and rel_err(mine[1], theirs[1]) < 2e-5
@@ -129,12 +128,13 @@ def _run_head(apply, inputs, beta, args):
     return div, entropy, [t.grad for t in leaves]
 
 
-HEAD_GRID = [(torch.float32, 0.0, ()), (torch.float32, 0.4, (0.8, 1.2, 5.0, 0.9, 3.0)),
-             (torch.float16, 1.0, (0.8, 1.2, 5.0, 0.9, 3.0))]
+CAPS = (0.8, 1.2, 5.0, 0.9, 3.0)  # temperature, student scale and softcap, teacher scale and softcap
+HEAD_GRID = [(torch.float32, 0.0, ()), (torch.float32, 0.4, CAPS), (torch.float32, 1.0, (1.3,)),
+             (torch.float16, 0.0, CAPS), (torch.float16, 0.4, ()), (torch.float16, 1.0, CAPS)]
 
 
-@pytest.mark.parametrize("dtype, beta, args", HEAD_GRID, ids=["fp32-beta0-defaults", "fp32-beta0.4-temp-scales-caps",
-                                                              "fp16-beta1-temp-scales-caps"])
+@pytest.mark.parametrize("dtype, beta, args", HEAD_GRID,
+                         ids=[f"{str(d)[-7:]}-beta{b}-{len(a)}args" for d, b, a in HEAD_GRID])
 def test_per_token_head_matches_trls(dtype, beta, args):
     """``ChunkedDivergenceFunction.apply``, TRL's positional arguments, a random upstream gradient per token."""
     inputs = _inputs(dtype, seed=5)
@@ -255,7 +255,7 @@ def test_distillation_trainer_with_use_in_trl_matches_trls_own_head(tmp_path, re
     real = trl_distill._loss
 
     def counted(*args):
-        calls.append(args[0].shape)
+        calls.append(args[6])  # num_items_in_batch
         return real(*args)
 
     monkeypatch.setattr(trl_distill, "_loss", counted)
@@ -264,6 +264,7 @@ def test_distillation_trainer_with_use_in_trl_matches_trls_own_head(tmp_path, re
     fused_linear_ce.use_in_trl()
     fused_logs, fused_grads, fused_params = _train(tmp_path, "fused")
     assert len(calls) == 3, "DistillationTrainer did not call our loss"
+    assert all(isinstance(items, torch.Tensor) for items in calls)  # the Trainer's count of completion tokens
     assert len(fused_logs) == len(plain_logs) == 3
     for mine, theirs in zip(fused_logs, plain_logs):
         for key in ("loss", "entropy", "grad_norm"):
@@ -281,7 +282,7 @@ def test_distillation_trainer_with_use_in_trl_matches_trls_own_head(tmp_path, re
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 tl.dot is wrong under the interpreter (Triton issue 11584)")
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_bf16_loss_on_gpu(beta):
+def test_bf16_loss_and_head_on_gpu(beta):
     inputs = _inputs(torch.bfloat16, seed=8)
     theirs = _run_loss(THEIR_LOSS, inputs, beta, temperature=0.9, student_final_logit_softcapping=5.0)
     mine = _run_loss(trl_distill.chunked_divergence_loss, inputs, beta, temperature=0.9,
@@ -290,3 +291,7 @@ def test_bf16_loss_on_gpu(beta):
     assert torch.equal(mine[2], theirs[2])
     for a, b in zip(mine[3], theirs[3]):
         assert a.dtype == torch.bfloat16 and rel_err(a, b) < TOL[torch.bfloat16]
+    theirs = _run_head(TheirHead.apply, inputs, beta, CAPS)
+    mine = _run_head(trl_distill.ChunkedDivergenceFunction.apply, inputs, beta, CAPS)
+    for a, b in zip((*mine[:2], *mine[2]), (*theirs[:2], *theirs[2])):
+        assert rel_err(a, b) < TOL[torch.bfloat16]

@@ -48,7 +48,9 @@ def check_topk(hidden, weight, targets, outputs, process_group) -> int:
 class _TargetLogits(torch.autograd.Function):
     """``rows[n] . weight[ids[n, j]] (+ bias[ids[n, j]])`` in fp32, (N, k), ids in range; the weight
     rows and bias go in ``rows``' dtype first (the sweep's operands). Blocks of rows bound the gathered
-    (rows, k, H) weight; the weight's and bias's gradients are summed in fp32 and rounded once."""
+    (rows, k, H) weight; the weight's and bias's gradients are summed in fp32 and rounded once (for a
+    16-bit weight through an fp32 (V, H) buffer: ids repeat across rows, and a sync-free sum of the
+    touched rows alone would need an N k x H one)."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, ids):
