@@ -2,7 +2,7 @@
 kernel between them, and the autograd.
 
 Per chunk of R rows (``chunk_rows``: R x V x 8 bytes within ``chunk_bytes``), the student's and the
-teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (``products.matmul``, fp32
+teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (``gemm.matmul``, fp32
 accumulation, never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values
 and, when a gradient is formed, da in the input dtype over the teacher buffer's own memory (a 16-bit
 da row in the first half of the fp32 row's bytes); then grad_hidden[rows] = da @ W_s and
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import device, products
+from . import device, gemm, pairs, products
 from .divergence_kernel import divergence_row_kernel
 from .validate import Options
 
@@ -120,9 +120,9 @@ def _buffers(n: int, v: int, spec: Spec, where):
 def _logits(student, teacher, sl, zs, zt):
     """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it); the teacher's only
     when ``teacher`` is given."""
-    products.matmul(student[0][sl], student[1].t(), zs, False)
+    gemm.matmul(student[0][sl], student[1].t(), zs, False)
     if teacher is not None:
-        products.matmul(teacher[0][sl], teacher[1].t(), zt, False)
+        gemm.matmul(teacher[0][sl], teacher[1].t(), zt, False)
 
 
 def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
@@ -140,7 +140,7 @@ def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, 
     if not need:
         return None, None
     dw = device.new((v, h), dtype, where)
-    return dw, products.compensation_buffer(dw, torch.int8) if dtype != torch.float32 and several else None
+    return dw, pairs.compensation_buffer(dw, torch.int8) if dtype != torch.float32 and several else None
 
 
 def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
@@ -151,7 +151,7 @@ def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
     if dx is not None:
         products.product(da, student[1], dx[sl], False, unscale)
     if dw is not None and dw.dtype == torch.float32:
-        products.matmul(da.t(), student[0][sl], dw, not first, unscale)
+        gemm.matmul(da.t(), student[0][sl], dw, not first, unscale)
     elif dw is not None and lo is not None:
         products.compensated(da.t(), student[0][sl], dw, lo, not first, unscale)
     elif dw is not None:
