@@ -224,15 +224,15 @@ def divergence_row_kernel(
                          mask=mask_n[:, None] & mask_v)
     else:
         if VALUES:
-            zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            zero_rows = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k in range(3):
-                tl.store(out_ptr + k * N + rows, zero, mask=mask_n)
-                tl.store(stats_ptr + k * N + rows, zero, mask=mask_n)
+                tl.store(out_ptr + k * N + rows, zero_rows, mask=mask_n)
+                tl.store(stats_ptr + k * N + rows, zero_rows, mask=mask_n)
         if WRITE_DA:
             for v0 in range(0, V, BLOCK_V):
                 offs_v = v0 + offs
-                zero = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-                tl.store(da_rows + offs_v[None, :], zero.to(da_ptr.dtype.element_ty),
+                zero_block = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+                tl.store(da_rows + offs_v[None, :], zero_block.to(da_ptr.dtype.element_ty),
                          mask=mask_n[:, None] & (offs_v < V)[None, :])
 
 
