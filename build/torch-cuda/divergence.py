@@ -2,8 +2,8 @@
 kernel between them, and the autograd.
 
 Per chunk of R rows (``chunk_rows``: R x V x 8 bytes within ``chunk_bytes``), the student's and the
-teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (``gemm.matmul``, fp32
-accumulation, never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values
+teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (cuBLAS with an fp32 output,
+``products.accumulate``: fp32 accumulation, never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values
 and, when a gradient is formed, da in the input dtype over the teacher buffer's own memory (a 16-bit
 da row in the first half of the fp32 row's bytes); then grad_hidden[rows] = da @ W_s and
 grad_weight += da^T @ h_s[rows] (``weight_grad_dtype``), grad_bias += the column sums.
@@ -118,11 +118,12 @@ def _buffers(n: int, v: int, spec: Spec, where):
 
 
 def _logits(student, teacher, sl, zs, zt):
-    """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it); the teacher's only
-    when ``teacher`` is given."""
-    gemm.matmul(student[0][sl], student[1].t(), zs, False)
+    """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it), each an unscaled fp32
+    result: cuBLAS with an fp32 output (``products.accumulate``), never rounded to 16 bits; the
+    teacher's only when ``teacher`` is given."""
+    products.accumulate(student[0][sl], student[1].t(), zs, True)
     if teacher is not None:
-        gemm.matmul(teacher[0][sl], teacher[1].t(), zt, False)
+        products.accumulate(teacher[0][sl], teacher[1].t(), zt, True)
 
 
 def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
