@@ -38,13 +38,13 @@ import fnmatch
 import importlib.metadata
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import bench  # benchmarks/bench.py: sets TRITON_INTERPRET on CPU and puts torch-ext on the path
 import torch
 from bench import MiB, fmt, rel, sync
+import results_json
 from distill_cases import SHAPES, make_data, reference
 from distill_methods import FAST_CHUNK_BYTES, build_methods, four_products
 
@@ -96,17 +96,14 @@ def estimate_seconds(shapes, dists, betas, names, rounds, reps, no_skip=False):
     return total
 
 
-def git_state(fallback=None):
-    """The repository's HEAD and whether tracked files differ from it; ``fallback`` (dirty unknown)
-    where git cannot tell."""
-    try:
-        run = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=20)  # noqa: E731
-        head = run("rev-parse", "HEAD")
-        if head.returncode:
-            return dict(commit=fallback, dirty=None)
-        return dict(commit=head.stdout.strip(), dirty=bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip()))
-    except Exception:  # noqa: BLE001 - no git on the machine: unknown
-        return dict(commit=fallback, dirty=None)
+def git_state(commit=None):
+    """The package measured: ``commit`` (``--commit``) where given, since a copy of the tree on another
+    machine may carry a .git naming the copy's base; else ``results_json.provenance`` (BENCH_COMMIT,
+    then git)."""
+    if commit:
+        return dict(commit=commit, dirty=None)
+    found = results_json.provenance()
+    return dict(commit=found["commit"], dirty=found["dirty"])
 
 
 def versions():
