@@ -88,12 +88,27 @@ class _TargetLogits(torch.autograd.Function):
                 for s in range(0, n, step):
                     g, h = grad[s:s + step], rows[s:s + step].float()
                     contrib = (g.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, rows.shape[1])  # (b k, H)
-                    acc.index_add_(0, ids[s:s + step].reshape(-1), contrib)
+                    _add_rows(acc, ids[s:s + step].reshape(-1), contrib)
                 d_weight = acc.to(weight.dtype)
             if need_bias and ctx.has_bias:
-                d_bias = torch.zeros(weight.shape[0], device=grad.device, dtype=torch.float32)
-                d_bias = d_bias.index_add_(0, flat, grad.reshape(-1)).to(ctx.bias_dtype)
+                d_bias = torch.zeros((weight.shape[0], 1), device=grad.device, dtype=torch.float32)
+                _add_rows(d_bias, flat, grad.reshape(-1, 1))
+                d_bias = d_bias.squeeze(1).to(ctx.bias_dtype)
         return d_rows, d_weight, d_bias, None
+
+
+def _add_rows(acc: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+    """acc[ids] += values, the values of a repeated id summed in a fixed order, without atomics (an
+    ``index_add_`` on CUDA sums in a run-dependent order): the values sorted by id (a stable sort), their
+    fp64 prefix sums, each id's total the difference of the prefix sums at its run's ends; every
+    position of a run writes the same total, so the store is the same whichever write lands."""
+    order = torch.argsort(ids, stable=True)
+    sid = ids[order]
+    prefix = torch.zeros((values.shape[0] + 1, values.shape[1]), dtype=torch.float64, device=values.device)
+    torch.cumsum(values[order].double(), dim=0, out=prefix[1:])
+    lo = torch.searchsorted(sid, sid, side="left")
+    hi = torch.searchsorted(sid, sid, side="right")
+    acc.index_put_((sid,), acc[sid] + (prefix[hi] - prefix[lo]).to(acc.dtype))
 
 
 def _block_rows(k: int, h: int) -> int:
