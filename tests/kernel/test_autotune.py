@@ -75,9 +75,9 @@ def test_tunes_each_stage_once_per_shape_and_stays_exact(strategy, roles, monkey
 
 # Per role: the strategy that runs it, and the kernels (module, name) that must launch its tiles.
 LAUNCHES = {
-    "sweep": ("recompute", [("sweep", "lse_sweep_kernel")]),
+    "sweep": ("recompute", [("sweep_kernels", "lse_sweep_kernel")]),
     "dlogits": ("recompute", [("recompute", "dlogits_kernel")]),
-    "chunked": ("chunked", [("sweep", "lse_sweep_kernel"), ("chunked", "softmax_gradient_kernel")]),
+    "chunked": ("chunked", [("sweep_kernels", "lse_sweep_kernel"), ("chunked", "softmax_gradient_kernel")]),
 }
 
 

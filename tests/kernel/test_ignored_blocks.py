@@ -12,7 +12,7 @@ import torch
 
 from cases import Case, check_three_way, make_inputs
 from conftest import ON_GPU, reference, rel_err
-from fused_linear_ce import autotune, fused_linear_cross_entropy, recompute, sweep
+from fused_linear_ce import autotune, fused_linear_cross_entropy, recompute, sweep, sweep_kernels
 from fused_linear_ce.validate import Options
 
 # Every kernel's BLOCK_N in the tuned table divides it (CPU tiles: 16 rows; GPU: 64 or 128), so rows
@@ -141,7 +141,7 @@ def test_ignored_blocks_compute_no_logit_tile(strategy, chunk_bytes, monkeypatch
     dead = 3
 
     def tiles(t):
-        fwd, bwd = _Counter(sweep, monkeypatch), _Counter(recompute, monkeypatch)
+        fwd, bwd = _Counter(sweep_kernels, monkeypatch), _Counter(recompute, monkeypatch)
         h = hidden.detach().clone().requires_grad_(True)
         w = weight.detach().clone().requires_grad_(True)
         loss = fused_linear_cross_entropy(h, w, t, chunk_bytes=chunk_bytes, strategy=strategy)
