@@ -186,15 +186,21 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
     if device.type not in ("cuda", "cpu"):
         raise RuntimeError(f"unsupported device {device}: this kernel runs on CUDA GPUs")
     check_options(opts)
-    if num_items_in_batch is not None:
-        if opts.reduction == "none":
-            raise ValueError("num_items_in_batch divides a summed loss; it cannot be used with reduction='none'")
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.ndim != 0:
-                raise ValueError(f"num_items_in_batch must be an int or a 0-d tensor, got shape "
-                                 f"{tuple(num_items_in_batch.shape)}")
-        elif not _is_int(num_items_in_batch):
-            raise TypeError(f"num_items_in_batch must be an int or a 0-d tensor, got {num_items_in_batch!r}")
+    check_num_items(num_items_in_batch, opts.reduction)
+
+
+def check_num_items(num_items, reduction: str, summed: str = "loss") -> None:
+    """``num_items_in_batch``: None, an int or a 0-d tensor, and not with reduction "none" (it divides
+    a summed ``summed``)."""
+    if num_items is None:
+        return
+    if reduction == "none":
+        raise ValueError(f"num_items_in_batch divides a summed {summed}; it cannot be used with reduction='none'")
+    if isinstance(num_items, torch.Tensor):
+        if num_items.ndim != 0:
+            raise ValueError(f"num_items_in_batch must be an int or a 0-d tensor, got shape {tuple(num_items.shape)}")
+    elif not _is_int(num_items):
+        raise TypeError(f"num_items_in_batch must be an int or a 0-d tensor, got {num_items!r}")
 
 
 def check_options(opts: Options) -> None:

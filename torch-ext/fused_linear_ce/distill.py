@@ -8,7 +8,7 @@ from .device import interpreted
 from . import divergence_ops
 from .divergence import Spec
 from .validate import (INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes,
-                       is_master_weight)
+                       check_num_items, is_master_weight)
 
 OUTPUTS = ("entropy", "log_probs")
 
@@ -221,15 +221,7 @@ def _check_numbers(beta, temperature, s_scale, s_cap, t_scale, t_cap, ignore_ind
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if num_items is not None:
-        if reduction == "none":
-            raise ValueError("num_items_in_batch divides a summed divergence; it cannot be used with reduction='none'")
-        if isinstance(num_items, torch.Tensor):
-            if num_items.ndim != 0:
-                raise ValueError(f"num_items_in_batch must be an int or a 0-d tensor, got shape "
-                                 f"{tuple(num_items.shape)}")
-        elif not _is_int(num_items):
-            raise TypeError(f"num_items_in_batch must be an int or a 0-d tensor, got {num_items!r}")
+    check_num_items(num_items, reduction, "divergence")
     check_chunk_bytes(chunk_bytes)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
