@@ -27,11 +27,21 @@ JSD = tl.constexpr(2)
 
 @triton.jit
 def log1p(x):
-    """log(1 + x) for x >= 0 to a few fp32 ulps: ``log(u) * x / (u - 1)`` with u = 1 + x rounded
-    (the rounding of u cancels between numerator and denominator), x itself where u rounds to 1."""
-    u = 1.0 + x
-    safe = tl.where(u == 1.0, 2.0, u)
-    return tl.where(u == 1.0, x, tl.log(safe) * (x / (safe - 1.0)))
+    """log(1 + x) for 0 <= x <= 1 to a few fp32 ulps, from arithmetic alone: 2 atanh(w) with
+    w = x / (2 + x) <= 1/3, its odd series through w^15 (the rest is under 2^-29 of the sum). No
+    ``log``: a GPU's fast log has an absolute error near 1 of ~1e-7, which is all of log(1 + 1e-6)'s
+    digits (at beta = 1 - 1e-6, a 1% error in the JSD)."""
+    w = x / (2.0 + x)
+    w2 = w * w
+    p = 1.0 / 15.0
+    p = p * w2 + 1.0 / 13.0
+    p = p * w2 + 1.0 / 11.0
+    p = p * w2 + 1.0 / 9.0
+    p = p * w2 + 1.0 / 7.0
+    p = p * w2 + 1.0 / 5.0
+    p = p * w2 + 1.0 / 3.0
+    p = p * w2 + 1.0
+    return 2.0 * w * p
 
 
 @triton.jit

@@ -352,7 +352,9 @@ def test_compiles_without_a_graph_break_and_equals_eager(strategy, reduction):
         got = compiled(*leaves[1], temperature)
         expected.backward()
         got.backward()
-        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+        # inductor fuses the test's own sums over tokens into one kernel, which adds in another order
+        # than eager's two reductions: the totals may differ by a few fp32 ulps per token.
+        assert torch.allclose(got, expected, rtol=1e-5 if ON_GPU else 1e-6, atol=1e-6)
         for a, b in zip(leaves[1], leaves[0]):
             assert rel_err(a.grad, b.grad) < 1e-6
 

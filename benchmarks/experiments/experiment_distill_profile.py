@@ -1,0 +1,145 @@
+"""Where a distillation step's time goes: ``fused_linear_divergence`` at D1 / D2 (bf16, peaked data),
+each piece alone and whole steps, in interleaved rounds beside the four plain products.
+
+Pieces (one chunk of all N rows unless named): the teacher's and the student's fp32-output logits
+(cuBLAS, ``products.accumulate``), the four products in bf16 (the floor), the row kernel for each
+beta with and without da (and its bytes / ms), dX and dW from da, the default chunk's dW into the
+bf16 + int8 pair times the chunk count. Steps: "mean" at the default budget and in one chunk,
+"none" (recompute) at the default budget, for beta in {1, 0.5, 0}. Every step's dX / dW is checked
+against ``distill_cases.reference`` first. Prints the table last; JSON under --out.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import experiment_common as C  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distill_cases  # noqa: E402
+from fused_linear_ce import divergence, fused_linear_divergence, pairs, products  # noqa: E402
+from fused_linear_ce.divergence import Spec  # noqa: E402
+from fused_linear_ce.validate import Options  # noqa: E402
+
+BETAS = (1.0, 0.5, 0.0)
+GB = 1e9
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def pieces(data, beta_rows):
+    """{name: callable} of the step's pieces at all N rows (one chunk) and the default chunk's dW pair."""
+    x_s, w_s, x_t, w_t = data.x_s, data.w_s, data.x_t, data.w_t
+    n, v, h = x_s.shape[0], w_s.shape[0], x_s.shape[1]
+    zs = torch.empty((n, v), dtype=torch.float32, device=x_s.device)
+    zt = torch.empty_like(zs)
+    products.accumulate(x_s, w_s.t(), zs, True)
+    products.accumulate(x_t, w_t.t(), zt, True)
+    da_full = torch.empty((n, v), dtype=torch.bfloat16, device=x_s.device)
+    counted = torch.ones(n, dtype=torch.int8, device=x_s.device)
+    coef = torch.zeros((2, n), dtype=torch.float32, device=x_s.device)
+    coef[0] = 1.0
+    stats = torch.empty((3, n), dtype=torch.float32, device=x_s.device)
+    out = torch.empty_like(stats)
+    dx = torch.empty_like(x_s)
+    dw = torch.empty_like(w_s)
+    one = torch.ones(1, dtype=torch.float32, device=x_s.device)
+    g16 = (x_s @ w_s.T)
+    run = {
+        "logits_t fp32": lambda: products.accumulate(x_t, w_t.t(), zt, True),
+        "logits_s fp32": lambda: products.accumulate(x_s, w_s.t(), zs, True),
+        "logits_t bf16": lambda: x_t @ w_t.T,
+        "logits_s bf16": lambda: x_s @ w_s.T,
+        "dx": lambda: products.product(g16, w_s, dx, False, one),
+        "dw one": lambda: products.product(g16.t(), x_s, dw, False, one),
+    }
+    rows = divergence.chunk_rows(n, v, None)
+    chunks = -(-n // rows)
+    lo = pairs.compensation_buffer(dw, torch.int8)
+    run[f"dw pair x{chunks} (R={rows})"] = lambda: [
+        products.compensated(g16[i:i + rows].t(), x_s[i:i + rows], dw, lo, i > 0, one) for i in range(0, n, rows)]
+    opts = Options(logit_scale=1.0, softcap=None, temperature=1.0)
+    for beta in BETAS:
+        spec = Spec(beta=beta, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=None)
+        for write in (False, True):
+            def row(spec=spec, write=write):
+                divergence._launch(zs, zt, da_full if write else None, (None, None), None, counted, coef, stats, out,
+                                   0, n, spec, values=True, write_da=write, stats_known=False, dtype=torch.bfloat16)
+            run[f"row b={beta:g}{' +da' if write else ''}"] = row
+        beta_rows.append(beta)
+    return run
+
+
+def steps(data):
+    runs = {}
+    for beta in BETAS:
+        for label, kwargs in (("mean", {}), ("mean 1chunk", dict(chunk_bytes=1 << 40)), ("none", dict(reduction="none"))):
+            def step(beta=beta, kwargs=kwargs):
+                x = data.x_s.detach().requires_grad_(True)
+                w = data.w_s.detach().requires_grad_(True)
+                out = fused_linear_divergence(x, w, data.x_t, data.w_t, beta=beta, **kwargs)
+                loss = out.sum() / out.numel() if kwargs.get("reduction") == "none" else out
+                loss.backward()
+                return x.grad, w.grad
+            runs[f"step {label} b={beta:g}"] = step
+    return runs
+
+
+def main():
+    args = C.parse_args(("D1", "D2"), lambda ap: ap.add_argument("--rounds", type=int, default=3))
+    rows = []
+    t0 = time.perf_counter()
+    for shape in args.shapes:
+        data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
+        torch.backends.cuda.matmul.allow_tf32 = False  # an IEEE fp32 reference
+        refs = {b: distill_cases.reference(data, b)[0] for b in BETAS}
+        runs = {"four products": lambda: [data.x_t @ data.w_t.T, data.x_s @ data.w_s.T]}
+        runs.update(steps(data))
+        for name, fn in list(runs.items()):  # check every step before timing
+            if not name.startswith("step"):
+                continue
+            beta = float(name.split("b=")[1])
+            dx, dw = fn()
+            ref = refs[beta]
+            red = "none" if " none " in name else "mean"
+            scale = 1.0
+            if red == "none":  # loss = mean over all rows of the per-token values: the mean's gradient
+                scale = data.n_valid / data.n
+            err = (rel(dx, ref["dx"]["mean"] * scale), rel(dw, ref["dw"]["mean"] * scale))
+            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}: dx {err[0]:.1e} dw {err[1]:.1e}", flush=True)
+            rows.append(dict(shape=shape, name=name, dx=err[0], dw=err[1]))
+        del refs
+        torch.cuda.empty_cache()
+        betas = []
+        runs.update(pieces(data, betas))
+        times = C.interleaved(runs, rounds=args.rounds, rep=40)
+        floor = times["four products"]
+        n, v = data.n, data.w_s.shape[0]
+        for name, ts in times.items():
+            ms = C.median(ts)
+            row = dict(shape=shape, name=name, ms=ms, rounds=ts)
+            if name.startswith("row"):
+                passes = 2 if "b=0" in name or "b=1" in name and "+da" not in name else 3
+                row["planes_read_gb"] = 8 * n * v / GB
+                row["gb_per_s_per_plane_pass"] = 8 * n * v / GB / (ms / 1e3)
+                row["note"] = f"~{passes} passes"
+            rows.append(row)
+            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name:28s} {ms:8.2f} ms  "
+                  f"({' '.join(f'{t:.2f}' for t in ts)})", flush=True)
+        four = C.median(floor)
+        mm = C.median(times["logits_t bf16"]) + C.median(times["logits_s bf16"]) + C.median(times["dx"]) + \
+            C.median(times["dw one"])
+        print(f"{shape}: two logits (bf16) per step {four:.2f} ms; four products summed from pieces {mm:.2f} ms")
+        del data, runs
+        torch.cuda.empty_cache()
+    C.write_results(args.out, "distill_profile.json", [dict(r, plan="") for r in rows if "ms" in r],
+                    checks=[r for r in rows if "ms" not in r])
+
+
+if __name__ == "__main__":
+    main()
