@@ -4,8 +4,9 @@ each piece alone and whole steps, in interleaved rounds beside the four plain pr
 Pieces (one chunk of all N rows unless named): the teacher's and the student's fp32-output logits
 (cuBLAS, ``products.accumulate``), the four products in bf16 (the floor), the row kernel for each
 beta with and without da (and its bytes / ms), dX and dW from da, the default chunk's dW into the
-bf16 + int8 pair times the chunk count. Steps: "mean" at the default budget and in one chunk,
-"none" (recompute) at the default budget, for beta in {1, 0.5, 0}. Every step's dX / dW is checked
+bf16 + int8 pair times the chunk count. Steps: "mean" at chunk budgets of 512 MiB (the
+default) to 2 GiB and in one chunk, "none" (recompute) at the same budgets, for beta in {1, 0.5, 0},
+each with its extra memory (peak during the step less what was allocated before and the gradients). Every step's dX / dW is checked
 against ``distill_cases.reference`` first. Prints the table last; JSON under --out.
 """
 
@@ -25,6 +26,7 @@ from fused_linear_ce.divergence import Spec  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
 BETAS = (1.0, 0.5, 0.0)
+BUDGETS = (512 << 20, 1 << 30, 1536 << 20, 2 << 30)  # chunk_bytes: the default, then larger
 GB = 1e9
 
 
@@ -58,11 +60,11 @@ def pieces(data, beta_rows):
         "dx": lambda: products.product(g16, w_s, dx, False, one),
         "dw one": lambda: products.product(g16.t(), x_s, dw, False, one),
     }
-    rows = divergence.chunk_rows(n, v, None)
-    chunks = -(-n // rows)
     lo = pairs.compensation_buffer(dw, torch.int8)
-    run[f"dw pair x{chunks} (R={rows})"] = lambda: [
-        products.compensated(g16[i:i + rows].t(), x_s[i:i + rows], dw, lo, i > 0, one) for i in range(0, n, rows)]
+    for budget in BUDGETS:
+        rows = divergence.chunk_rows(n, v, budget)
+        run[f"dw pair x{-(-n // rows)} (R={rows})"] = lambda rows=rows: [
+            products.compensated(g16[i:i + rows].t(), x_s[i:i + rows], dw, lo, i > 0, one) for i in range(0, n, rows)]
     opts = Options(logit_scale=1.0, softcap=None, temperature=1.0)
     for beta in BETAS:
         spec = Spec(beta=beta, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=None)
@@ -77,8 +79,10 @@ def pieces(data, beta_rows):
 
 def steps(data):
     runs = {}
+    variants = [(f"mean {b >> 20}M", dict(chunk_bytes=b)) for b in BUDGETS] + [("mean 1chunk", dict(chunk_bytes=1 << 40))]
+    variants += [(f"none {b >> 20}M", dict(reduction="none", chunk_bytes=b)) for b in BUDGETS]
     for beta in BETAS:
-        for label, kwargs in (("mean", {}), ("mean 1chunk", dict(chunk_bytes=1 << 40)), ("none", dict(reduction="none"))):
+        for label, kwargs in variants:
             def step(beta=beta, kwargs=kwargs):
                 x = data.x_s.detach().requires_grad_(True)
                 w = data.w_s.detach().requires_grad_(True)
@@ -98,27 +102,33 @@ def main():
         data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
         torch.backends.cuda.matmul.allow_tf32 = False  # an IEEE fp32 reference
         refs = {b: distill_cases.reference(data, b)[0] for b in BETAS}
-        runs = {"four products": lambda: [data.x_t @ data.w_t.T, data.x_s @ data.w_s.T]}
+        runs = {"two logits bf16": lambda: [data.x_t @ data.w_t.T, data.x_s @ data.w_s.T]}
         runs.update(steps(data))
         for name, fn in list(runs.items()):  # check every step before timing
             if not name.startswith("step"):
                 continue
             beta = float(name.split("b=")[1])
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
             dx, dw = fn()
+            extra = (torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes) / C.MiB
             ref = refs[beta]
-            red = "none" if " none " in name else "mean"
+            red = "none" if "step none" in name else "mean"
             scale = 1.0
             if red == "none":  # loss = mean over all rows of the per-token values: the mean's gradient
                 scale = data.n_valid / data.n
             err = (rel(dx, ref["dx"]["mean"] * scale), rel(dw, ref["dw"]["mean"] * scale))
-            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}: dx {err[0]:.1e} dw {err[1]:.1e}", flush=True)
-            rows.append(dict(shape=shape, name=name, dx=err[0], dw=err[1]))
+            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}: dx {err[0]:.1e} dw {err[1]:.1e} "
+                  f"extra {extra:.0f} MiB", flush=True)
+            rows.append(dict(shape=shape, name=name, dx=err[0], dw=err[1], extra_mib=extra))
+            del dx, dw
         del refs
         torch.cuda.empty_cache()
         betas = []
         runs.update(pieces(data, betas))
         times = C.interleaved(runs, rounds=args.rounds, rep=40)
-        floor = times["four products"]
+        floor = times["two logits bf16"]
         n, v = data.n, data.w_s.shape[0]
         for name, ts in times.items():
             ms = C.median(ts)
@@ -131,14 +141,19 @@ def main():
             rows.append(row)
             print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name:28s} {ms:8.2f} ms  "
                   f"({' '.join(f'{t:.2f}' for t in ts)})", flush=True)
-        four = C.median(floor)
+        two = C.median(floor)
         mm = C.median(times["logits_t bf16"]) + C.median(times["logits_s bf16"]) + C.median(times["dx"]) + \
             C.median(times["dw one"])
-        print(f"{shape}: two logits (bf16) per step {four:.2f} ms; four products summed from pieces {mm:.2f} ms")
+        print(f"{shape}: two logits (bf16) together {two:.2f} ms; the four products summed from pieces {mm:.2f} ms")
         del data, runs
         torch.cuda.empty_cache()
+    checks = {(r["shape"], r["name"]): r for r in rows if "ms" not in r}
+    for r in rows:
+        if "ms" in r and (r["shape"], r["name"]) in checks:
+            r.update(extra_mib=checks[r["shape"], r["name"]]["extra_mib"], dx=checks[r["shape"], r["name"]]["dx"],
+                     dw=checks[r["shape"], r["name"]]["dw"])
     C.write_results(args.out, "distill_profile.json", [dict(r, plan="") for r in rows if "ms" in r],
-                    checks=[r for r in rows if "ms" not in r])
+                    checks=list(checks.values()))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ every sum over the vocabulary taken from these logs, never from a probability th
 ``log(m / p_t)`` is taken from the larger branch of the logaddexp (``-log(beta) - s`` or ``d -
 log(1 - beta) - s``, s = log1p(exp(-|x - y|))), so no large d cancels against itself, and log1p keeps
 q's relative precision when beta (or 1 - beta) is tiny.
+
+The entropy and the two KLs need no lse in advance: with each row's running maxima m and sums s,
+``-sum p_s ls = log s_s - sum e^(z_s - m_s) (z_s - m_s) / s_s`` and ``sum p_w (lw - lo) =
+sum e^(z_w - m_w) ((z_w - m_w) - (z_o - m_o)) / s_w - log s_w + log s_o`` (w the weighting model),
+summed online beside s (a new max rescales them), every summand of the size of a shifted logit,
+and ``log s`` from ``log1p(s - 1)`` while s <= 2 (a peaked row's small logs keep their digits).
+So their values take one read of the logits, the JSD's two.
 """
 
 import triton
@@ -58,6 +65,31 @@ def logits_of(acc_ptrs, bias_ptr, cols, load_mask, mask_v, tile_scale, softcap, 
     if HAS_SOFTCAP:
         a = softcap_out * tanh(a / softcap)
     return tl.where(mask_v, a, float("-inf"))
+
+
+@triton.jit
+def log_sum(s):
+    """log(s) for a softmax's sum s >= 1 (its max term is 1): ``log1p(s - 1)`` (exact s - 1) up to
+    s = 2, where a GPU's fast log would lose the small logs of peaked rows; ``tl.log`` above."""
+    return tl.where(s <= 2.0, log1p(tl.minimum(s, 2.0) - 1.0), tl.log(s))
+
+
+@triton.jit
+def both_logits(zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
+                scale_t, cap_t, cap_out_t, HAS_BIAS_S: tl.constexpr, HAS_BIAS_T: tl.constexpr,
+                SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr, TEACHER: tl.constexpr):
+    """One vocabulary block of a block of rows: (class ids, in-vocabulary mask, counted-and-in mask,
+    the student's z, the teacher's z, or the student's again without TEACHER: zt is not read)."""
+    offs_v = v0 + offs
+    mask_v = (offs_v < V)[None, :]
+    live = counted[:, None] & mask_v
+    z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s, cap_out_s,
+                    HAS_BIAS_S, SOFTCAP_S)
+    z_t = z_s
+    if TEACHER:
+        z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
+                        cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+    return offs_v, mask_v, live, z_s, z_t
 
 
 @triton.jit
@@ -124,13 +156,13 @@ def divergence_row_kernel(
     BF16_EMULATION: tl.constexpr,
 ):
     """Grid (cdiv(R, BLOCK_N),): one program a block of rows, their vocabulary in BLOCK_V blocks, in
-    increasing order. Pass 1 (unless STATS_KNOWN): both rows' lse (online max and sum). Pass 2
-    (VALUES): the divergence, entropy, sum_v p_s g, and for the forward KL with WRITE_DA also da.
-    Pass 3 (WRITE_DA, reverse KL and JSD; the recompute backward's only pass): da; without DIV_GRAD
-    (the log-prob's term alone, STATS_KNOWN) the teacher's buffer is not read, only written with da.
-    da is written over zt's own rows as their blocks are
-    read: da's block of a row lies in bytes already read (a 16-bit da in the first half of the fp32
-    row; an fp32 one on it).
+    increasing order. Pass 1 (unless STATS_KNOWN): both rows' lse, the student's entropy and, for the
+    two KLs, the divergence (= sum_v p_s g for the reverse KL), all online. Pass 2 (VALUES, JSD only):
+    the divergence and sum_v p_s g. Pass 3 (WRITE_DA; the recompute backward's only pass): da;
+    without DIV_GRAD (the log-prob's term alone, STATS_KNOWN) the teacher's buffer is not read, only
+    written with da. So the KLs read both buffers twice with da, once without; the JSD three times
+    and twice. da is written over zt's own rows as their blocks are read: da's block of a row lies in
+    bytes already read (a 16-bit da in the first half of the fp32 row; an fp32 one on it).
 
     da = chain * softcap'(z_s) * (c_div * dz_div + c_lp * (onehot(t) - p_s)). Uncounted rows read
     nothing and get zeros everywhere; a block of them only writes its zeros. A counted row whose
@@ -156,51 +188,67 @@ def divergence_row_kernel(
             lse_t = tl.load(stats_ptr + N + rows, mask=counted, other=0.0)
             spg = tl.load(stats_ptr + 2 * N + rows, mask=counted, other=0.0)
         else:
+            # Pass 1, online in each row's running maxima m: s = sum e^(z - m) for both models,
+            # h = sum e^(z_s - m_s) (z_s - m_s) (the entropy's), and for the two KLs the cross term
+            # c = sum of the weighting model's e^(z - m) times u = (z_w - m_w) - (z_o - m_o) (its
+            # own logit less the other's, each shifted by its own max). A new max rescales s, h, c
+            # by e^(m_old - m_new) and moves every old u (and z - m) by the shifts m_old - m_new.
             m_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
             m_t = tl.full((BLOCK_N,), float("-inf"), tl.float32)
             sum_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
             sum_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            h = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            c = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for v0 in range(0, V, BLOCK_V):
-                offs_v = v0 + offs
-                mask_v = (offs_v < V)[None, :]
-                live = counted[:, None] & mask_v
-                z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
-                                cap_out_s, HAS_BIAS_S, SOFTCAP_S)
-                z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
-                                cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+                offs_v, mask_v, live, z_s, z_t = both_logits(
+                    zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
+                    scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, True)
                 new_s = tl.maximum(m_s, tl.max(z_s, axis=1))
                 new_t = tl.maximum(m_t, tl.max(z_t, axis=1))
-                sum_s = sum_s * tl.exp(m_s - new_s) + tl.sum(tl.exp(z_s - new_s[:, None]), axis=1)
-                sum_t = sum_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(z_t - new_t[:, None]), axis=1)
+                shift_s = tl.where(sum_s > 0, m_s - new_s, 0.0)  # 0 before the first block
+                shift_t = tl.where(sum_t > 0, m_t - new_t, 0.0)
+                a_s = tl.exp(shift_s)
+                a_t = tl.exp(shift_t)
+                x_s = tl.where(mask_v, z_s - new_s[:, None], 0.0)
+                x_t = tl.where(mask_v, z_t - new_t[:, None], 0.0)
+                e_s = tl.where(mask_v, tl.exp(x_s), 0.0)
+                e_t = tl.where(mask_v, tl.exp(x_t), 0.0)
+                h = a_s * (h + shift_s * sum_s) + tl.sum(e_s * x_s, axis=1)
+                if MODE == REVERSE_KL:
+                    c = a_s * (c + (shift_s - shift_t) * sum_s) + tl.sum(e_s * (x_s - x_t), axis=1)
+                elif MODE == FORWARD_KL:
+                    c = a_t * (c + (shift_t - shift_s) * sum_t) + tl.sum(e_t * (x_t - x_s), axis=1)
+                sum_s = a_s * sum_s + tl.sum(e_s, axis=1)
+                sum_t = a_t * sum_t + tl.sum(e_t, axis=1)
                 m_s = new_s
                 m_t = new_t
-            lse_s = m_s + tl.log(sum_s)
-            lse_t = m_t + tl.log(sum_t)
+            log_s = log_sum(sum_s)
+            log_t = log_sum(sum_t)
+            lse_s = m_s + log_s
+            lse_t = m_t + log_t
+            ent = log_s - h / sum_s  # -sum p_s ls
+            # The KLs from pass 1: sum p (ls - lt) = c / s - log s_w + log s_o (for the reverse KL
+            # also sum p_s g); the JSD's log m needs both lse first: pass 2.
             spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if VALUES:
             div = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            ent = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                offs_v = v0 + offs
-                mask_v = (offs_v < V)[None, :]
-                live = counted[:, None] & mask_v
-                z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
-                                cap_out_s, HAS_BIAS_S, SOFTCAP_S)
-                z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
-                                cap_out_t, HAS_BIAS_T, SOFTCAP_T)
-                ls = tl.where(live, z_s - lse_s[:, None], 0.0)
-                lt = tl.where(live, z_t - lse_t[:, None], 0.0)
-                term, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
-                p_s = tl.where(live, tl.exp(ls), 0.0)
-                div += tl.sum(term, axis=1)
-                ent -= tl.sum(p_s * ls, axis=1)
-                spg += tl.sum(p_s * g, axis=1)
-                if WRITE_DA and MODE == FORWARD_KL:
-                    da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s,
-                             bad, MODE, SOFTCAP_S, HAS_TARGETS, True)
-                    tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
-                             mask=mask_n[:, None] & mask_v)
+            if MODE == REVERSE_KL:
+                div = c / sum_s - log_s + log_t
+                spg = div
+            elif MODE == FORWARD_KL:
+                div = c / sum_t - log_t + log_s
+        if VALUES:
+            if MODE == JSD:
+                div = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for v0 in range(0, V, BLOCK_V):
+                    offs_v, mask_v, live, z_s, z_t = both_logits(
+                        zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
+                        scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, True)
+                    ls = tl.where(live, z_s - lse_s[:, None], 0.0)
+                    lt = tl.where(live, z_t - lse_t[:, None], 0.0)
+                    term, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                    div += tl.sum(term, axis=1)
+                    spg += tl.sum(tl.where(live, tl.exp(ls), 0.0) * g, axis=1)
             log_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
             if HAS_TARGETS:
                 z_tgt = logits_of(zs_ptr + local * stride_zs + t, bias_s_ptr, t, counted, mask_n, scale_s, cap_s,
@@ -212,22 +260,17 @@ def divergence_row_kernel(
             tl.store(stats_ptr + rows, lse_s, mask=mask_n)
             tl.store(stats_ptr + N + rows, lse_t, mask=mask_n)
             tl.store(stats_ptr + 2 * N + rows, spg, mask=mask_n)
-        if WRITE_DA and (MODE != FORWARD_KL or not VALUES):
+        if WRITE_DA:
             for v0 in range(0, V, BLOCK_V):
-                offs_v = v0 + offs
-                mask_v = (offs_v < V)[None, :]
-                live = counted[:, None] & mask_v
-                z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s,
-                                cap_out_s, HAS_BIAS_S, SOFTCAP_S)
+                offs_v, mask_v, live, z_s, z_t = both_logits(
+                    zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
+                    scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, DIV_GRAD)
                 ls = tl.where(live, z_s - lse_s[:, None], 0.0)
+                lt = ls
+                g = ls
                 if DIV_GRAD:
-                    z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t,
-                                    cap_t, cap_out_t, HAS_BIAS_T, SOFTCAP_T)
                     lt = tl.where(live, z_t - lse_t[:, None], 0.0)
                     _, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
-                else:
-                    lt = ls
-                    g = ls
                 da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
                          MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD)
                 tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
