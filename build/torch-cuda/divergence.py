@@ -102,7 +102,7 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
         out if out is not None else dummy, row0, r, v, n, zs.stride(0), zt.stride(0),
         da.stride(0) if da is not None else 0, targets.stride(0) if targets is not None else 0,
-        scale_s, cap_s, cap_out_s, chain_s, scale_t, cap_t, cap_out_t, beta, log_a, log_b,
+        scale_s, cap_s, cap_out_s, chain_s, scale_t, cap_t, cap_out_t, beta, 1.0 - beta, log_a, log_b,
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,

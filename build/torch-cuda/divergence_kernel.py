@@ -93,7 +93,7 @@ def both_logits(zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, 
 
 
 @triton.jit
-def row_terms(ls, lt, mask, beta, log_a, log_b, MODE: tl.constexpr):
+def row_terms(ls, lt, mask, beta, alpha, log_a, log_b, MODE: tl.constexpr):
     """(term, g) of a block: the divergence's summands and the student's g (0 for the forward KL,
     whose da needs none), 0 outside ``mask``."""
     d = tl.where(mask, lt - ls, 0.0)
@@ -111,8 +111,8 @@ def row_terms(ls, lt, mask, beta, log_a, log_b, MODE: tl.constexpr):
         s = log1p(tl.exp(-tl.abs(y - log_a)))
         q = tl.where(upper, y, log_a) + s  # log(m / p_s)
         r_t = tl.where(upper, -log_b, d - log_a) - s  # log(p_t / m)
-        term = beta * p_t * r_t - (1.0 - beta) * p_s * q
-        g = -(1.0 - beta) * q
+        term = beta * p_t * r_t - alpha * p_s * q
+        g = -alpha * q
     return tl.where(mask, term, 0.0), tl.where(mask, g, 0.0)
 
 
@@ -139,6 +139,7 @@ def divergence_row_kernel(
     scale_s, cap_s, cap_out_s, chain_s,  # the student's kernel scales (Options.kernel_scales)
     scale_t, cap_t, cap_out_t,  # the teacher's
     beta,
+    alpha,  # 1 - beta, from the host's double (an fp32 beta near 1 leaves 1 - beta few digits)
     log_a,  # log(1 - beta) (JSD)
     log_b,  # log(beta) (JSD)
     MODE: tl.constexpr,
@@ -246,7 +247,7 @@ def divergence_row_kernel(
                         scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, True)
                     ls = tl.where(live, z_s - lse_s[:, None], 0.0)
                     lt = tl.where(live, z_t - lse_t[:, None], 0.0)
-                    term, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                    term, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
                     div += tl.sum(term, axis=1)
                     spg += tl.sum(tl.where(live, tl.exp(ls), 0.0) * g, axis=1)
             log_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -270,7 +271,7 @@ def divergence_row_kernel(
                 g = ls
                 if DIV_GRAD:
                     lt = tl.where(live, z_t - lse_t[:, None], 0.0)
-                    _, g = row_terms(ls, lt, live, beta, log_a, log_b, MODE)
+                    _, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
                 da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
                          MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD)
                 tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),

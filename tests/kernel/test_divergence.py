@@ -369,7 +369,7 @@ sys.path.insert(0, sys.argv[1] + "/scripts"); sys.path.insert(0, sys.argv[1] + "
 import registers as R
 R._FP32_PTRS |= {"zs_ptr", "zt_ptr", "coef_ptr", "stats_ptr", "out_ptr"}
 R._INT_PTRS["counted_ptr"] = "*i8"
-R._FLOATS |= {"scale_s", "cap_s", "cap_out_s", "chain_s", "scale_t", "cap_t", "cap_out_t", "beta", "log_a", "log_b"}
+R._FLOATS |= {"scale_s", "cap_s", "cap_out_s", "chain_s", "scale_t", "cap_t", "cap_out_t", "beta", "alpha", "log_a", "log_b"}
 rows = []
 with tempfile.TemporaryDirectory() as tmp:
     for mode, values, write, known, div_grad in json.loads(sys.argv[2]):
