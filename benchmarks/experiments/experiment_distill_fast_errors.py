@@ -2,7 +2,8 @@
 (2.3e-3 to 1.4e-2 at D2 peaked beta = 0, the default's 2.3e-3 beside them): each piece of the step at
 D2 peaked, the step itself three times, the row kernel's da against torch's, and the Triton products
 of da (a view with row stride 2V inside the teacher's fp32 buffer) against cuBLAS on an fp32 copy
-and against the Triton products of a contiguous copy. Prints the table last."""
+and against the Triton products of a contiguous copy; then the row kernel's time with da for each beta.
+Prints the table last."""
 
 import os
 import sys
@@ -75,6 +76,14 @@ def main():
             torch.cuda.synchronize()
             lines.append(f"triton products of da ({name}) #{trial}: dx {rel(dx, exact_dx):.2e} dw {rel(dw, exact_dw):.2e}")
             print(lines[-1], flush=True)
+    import triton.testing
+    for b in (1.0, 0.5, 0.0):
+        spec_b = Spec(beta=b, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=1 << 40)
+        ms = triton.testing.do_bench(lambda: divergence._launch(
+            zs, zt, da, (None, None), None, counted, coef, stats, out, 0, n, spec_b, values=True, write_da=True,
+            stats_known=False, dtype=torch.bfloat16), warmup=5, rep=100, return_mode="median")
+        lines.append(f"row kernel +da beta={b:g}: {ms:.2f} ms")
+        print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
 
 

@@ -163,7 +163,9 @@ def divergence_row_kernel(
     without DIV_GRAD (the log-prob's term alone, STATS_KNOWN) the teacher's buffer is not read, only
     written with da. So the KLs read both buffers twice with da, once without; the JSD three times
     and twice. da is written over zt's own rows as their blocks are read: da's block of a row lies in
-    bytes already read (a 16-bit da in the first half of the fp32 row; an fp32 one on it).
+    bytes already read (a 16-bit da in the first half of the fp32 row; an fp32 one on it), by this
+    block's loads or earlier ones of any warp: a barrier before each store (otherwise the first
+    blocks' da can overwrite teacher logits that another warp has yet to load).
 
     da = chain * softcap'(z_s) * (c_div * dz_div + c_lp * (onehot(t) - p_s)). Uncounted rows read
     nothing and get zeros everywhere; a block of them only writes its zeros. A counted row whose
@@ -274,6 +276,10 @@ def divergence_row_kernel(
                     _, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
                 da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
                          MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD)
+                # A 16-bit da block lands on fp32 bytes that other warps of this program read in this
+                # block (block 0) or an earlier one, and warps drift apart: every warp's loads of
+                # the block are done before any of its da is stored.
+                tl.debug_barrier()
                 tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
                          mask=mask_n[:, None] & mask_v)
     else:
