@@ -34,7 +34,7 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def pieces(data, beta_rows):
+def pieces(data):
     """{name: callable} of the step's pieces at all N rows (one chunk) and the default chunk's dW pair."""
     x_s, w_s, x_t, w_t = data.x_s, data.w_s, data.x_t, data.w_t
     n, v, h = x_s.shape[0], w_s.shape[0], x_s.shape[1]
@@ -73,7 +73,6 @@ def pieces(data, beta_rows):
                 divergence._launch(zs, zt, da_full if write else None, (None, None), None, counted, coef, stats, out,
                                    0, n, spec, values=True, write_da=write, stats_known=False, dtype=torch.bfloat16)
             run[f"row b={beta:g}{' +da' if write else ''}"] = row
-        beta_rows.append(beta)
     return run
 
 
@@ -125,8 +124,7 @@ def main():
             del dx, dw
         del refs
         torch.cuda.empty_cache()
-        betas = []
-        runs.update(pieces(data, betas))
+        runs.update(pieces(data))
         times = C.interleaved(runs, rounds=args.rounds, rep=40)
         floor = times["two logits bf16"]
         n, v = data.n, data.w_s.shape[0]
@@ -134,10 +132,8 @@ def main():
             ms = C.median(ts)
             row = dict(shape=shape, name=name, ms=ms, rounds=ts)
             if name.startswith("row"):
-                passes = 2 if "b=0" in name or "b=1" in name and "+da" not in name else 3
                 row["planes_read_gb"] = 8 * n * v / GB
                 row["gb_per_s_per_plane_pass"] = 8 * n * v / GB / (ms / 1e3)
-                row["note"] = f"~{passes} passes"
             rows.append(row)
             print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name:28s} {ms:8.2f} ms  "
                   f"({' '.join(f'{t:.2f}' for t in ts)})", flush=True)
