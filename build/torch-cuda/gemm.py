@@ -8,7 +8,7 @@ factor applied in its epilogue before the one rounding; TMA loads where the GPU 
   the pair's arithmetic: ``pairs.py``), or with ``split`` 2 adds half of the K reduction into an
   fp32 buffer.
 - ``few_tiles``: whether its output has too few tiles for one program a tile to fill the GPU
-  (``products.product`` then takes cuBLAS).
+  (``products.product`` then takes cuBLAS); ``fills_one_wave``: whether it has a tile per SM.
 - ``split_k``: whether the K reduction in two halves fills the GPU's waves markedly better.
 
 The kernel: ``matmul_kernel``; ``load_block`` reads an operand's block through its descriptor.
@@ -59,6 +59,16 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     cfg = configs.matmul_config(a.dtype)
     tiles = triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
     return 2 * tiles < device.sm_count(a.device)
+
+
+def fills_one_wave(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``matmul``'s output has at least one tile per SM (always on the interpreter). The
+    divergence's grad_hidden of a group of rows (D2: 1056 rows, 72 tiles of 128 x 256 for 132 SMs,
+    K = 128256) otherwise takes cuBLAS, which splits the K reduction."""
+    if a.device.type != "cuda":
+        return True
+    cfg = configs.matmul_config(a.dtype)
+    return triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p) >= device.sm_count(a.device)
 
 
 # ``split_k``: each half of a split K reduction at least this many K steps (the fp32 partial's atomic

@@ -23,8 +23,30 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, **({"bf16": torch.bfloat
 # rounded once into the dtype (twice for dX with a log-prob gradient on the chunked strategy).
 VALUE_TOL = 2e-5
 GRAD_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
-# Forces several chunks: 16 rows of two fp32 buffers (three chunks, the last one ragged).
+# Forces several chunks: 16 rows of two fp32 buffers (three chunks, the last one ragged); with
+# ``small_groups``, a 16-bit da in a buffer of its own, groups of 32 rows in chunks of 8.
 SMALL_CHUNKS = 8 * V * 16
+# With ``small_groups``: fp32 da in its own buffer, groups of 32 rows in chunks of 8 (8 x 8 + 32 x 4
+# bytes a class).
+OWN_DA_FP32 = 8 * V * 8 + 4 * V * 32
+# 16-bit da over the teacher's buffer in chunks of 6 rows: da's own buffer would hold none.
+IN_PLACE_16 = 8 * V * 6
+
+
+@pytest.fixture
+def small_groups(monkeypatch):
+    """Chunks of 8 rows where da takes a buffer of its own, on the GPU as on the interpreter."""
+    monkeypatch.setattr(divergence, "GROUP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(divergence, "INTERPRETED_GROUP_CHUNK_ROWS", 8)
+
+
+def _count_groups(monkeypatch):
+    """A list that gets one entry (the group's rows) per call of the gradient products."""
+    calls = []
+    real = divergence._gradient_products
+    monkeypatch.setattr(divergence, "_gradient_products",
+                        lambda da, *a, **k: (calls.append(da.shape[0]), real(da, *a, **k))[1])
+    return calls
 
 
 def _inputs(dtype, *, seed=0, bias=False, teacher_bias=False, lead=None, peaked=False):
@@ -158,16 +180,49 @@ def test_several_chunks_fp16_mask():
     _check(inputs, torch.float16, beta=0.5, mask=mask, chunk_bytes=SMALL_CHUNKS, lp_grad=True)
 
 
-@pytest.mark.parametrize("strategy,reduction,chunk_bytes", [("chunked", "mean", None), ("chunked", "mean", SMALL_CHUNKS),
-                                                            ("recompute", "none", SMALL_CHUNKS)],
-                         ids=["one_chunk", "pair", "recompute_pair"])
-def test_bf16_weight_gradient(strategy, reduction, chunk_bytes):
-    """bf16's weight gradient: rounded once from one chunk, or summed over several as a bf16 + int8
-    compensated pair (``products.compensated``), on the chunked strategy then scaled in place. On the
-    CPU through the kernels' BF16_EMULATION (tl.dot on upcast tiles, round-to-nearest-even casts:
-    what the GPU computes; tests/kernel/test_bf16_emulation.py)."""
+@pytest.mark.parametrize("strategy,reduction,chunk_bytes,groups",
+                         [("chunked", "mean", None, 1), ("chunked", "mean", IN_PLACE_16, -(-N // 6)),
+                          ("chunked", "mean", SMALL_CHUNKS, 2), ("recompute", "none", SMALL_CHUNKS, 2)],
+                         ids=["one_chunk", "pair_in_place", "pair_own_da", "recompute_pair_own_da"])
+def test_bf16_weight_gradient(strategy, reduction, chunk_bytes, groups, small_groups, monkeypatch):
+    """bf16's weight gradient: rounded once from one chunk, or summed over several groups as a bf16 +
+    int8 compensated pair (``products.compensated``), da over the teacher's buffer or in its own
+    (groups of 32 rows in chunks of 8), on the chunked strategy then scaled in place. On the CPU
+    through the kernels' BF16_EMULATION (tl.dot on upcast tiles, round-to-nearest-even casts: what
+    the GPU computes; tests/kernel/test_bf16_emulation.py)."""
+    calls = _count_groups(monkeypatch)
     _check(_inputs(torch.bfloat16, bias=True), torch.bfloat16, beta=0.5, chunk_bytes=chunk_bytes,
            student_softcap=5.0, strategy=strategy, reduction=reduction)
+    assert len(calls) == groups
+
+
+@pytest.mark.parametrize("strategy,reduction", [("chunked", "mean"), ("recompute", "none")])
+def test_own_da_buffer(strategy, reduction, small_groups, monkeypatch):
+    """da in a buffer of its own (``divergence.plan_chunks``): four chunks of 8 rows fill a group of
+    32, whose gradient products run once; the ragged last group takes the rest."""
+    assert divergence.plan_chunks(N, V, OWN_DA_FP32, 4) == divergence.Chunks(8, 32)
+    calls = _count_groups(monkeypatch)
+    _check(_inputs(torch.float32, bias=True), torch.float32, beta=0.3, strategy=strategy, reduction=reduction,
+           chunk_bytes=OWN_DA_FP32, student_softcap=5.0, lp_grad=reduction == "none")
+    assert calls == [32, N - 32]
+
+
+def test_plan_chunks(monkeypatch):
+    """The plan at D1-like sizes on the GPU: a 16-bit da takes its own buffer where that buys fewer
+    groups than da over the teacher's buffer; everything within the budget."""
+    monkeypatch.setattr(divergence.device, "interpreted", lambda: False)
+    plan, v, mib = divergence.plan_chunks, 151936, 1 << 20
+    assert plan(8192, v, None, 2) == divergence.Chunks(256, 736)  # 12 groups against 19 in place
+    assert plan(8192, v, 512 * mib, 4) == divergence.Chunks(432, 432)  # fp32 da: 371 rows alone, fewer
+    assert plan(8192, v, None, None) == divergence.Chunks(432, 432)  # values only
+    assert plan(300, v, None, 2) == divergence.Chunks(300, 300)  # one chunk
+    assert plan(8192, v, 4096 * mib, 2) == divergence.Chunks(1472, 8192)  # all rows' da; wider chunks
+    for n in (1000, 8192, 65536):
+        for budget in (64 * mib, 512 * mib, 1024 * mib, 4096 * mib):
+            for da in (None, 2, 4):
+                p = plan(n, v, budget, da)
+                assert 1 <= p.rows <= p.group <= n and (p.group == n or p.group % divergence.ROW_ALIGN == 0)
+                assert p.rows * v * 8 + (p.group * v * da if p.own_da else 0) <= budget or p.rows == 1
 
 
 def test_mask_and_ignore_index():
@@ -372,12 +427,12 @@ R._INT_PTRS["counted_ptr"] = "*i8"
 R._FLOATS |= {"scale_s", "cap_s", "cap_out_s", "chain_s", "scale_t", "cap_t", "cap_out_t", "beta", "alpha", "log_a", "log_b"}
 rows = []
 with tempfile.TemporaryDirectory() as tmp:
-    for mode, values, write, known, div_grad in json.loads(sys.argv[2]):
+    for mode, values, write, known, div_grad, block_v, warps in json.loads(sys.argv[2]):
         flags = dict(MODE=mode, VALUES=values, WRITE_DA=write, STATS_KNOWN=known, DIV_GRAD=div_grad)
-        case = R.Case(name=str(flags), kernel="divergence_row_kernel", module="divergence_kernel",
+        case = R.Case(name=f"{flags} BLOCK_V={block_v} warps={warps}", kernel="divergence_row_kernel", module="divergence_kernel",
                       constexprs=dict(flags, HAS_BIAS_S=True, HAS_BIAS_T=True, SOFTCAP_S=True, SOFTCAP_T=True,
-                                      HAS_TARGETS=True, BLOCK_N=1, BLOCK_V=1024, BF16_EMULATION=False),
-                      descriptors={}, num_warps=4, num_stages=1, unit_strides=())
+                                      HAS_TARGETS=True, BLOCK_N=1, BLOCK_V=block_v, BF16_EMULATION=False),
+                      descriptors={}, num_warps=warps, num_stages=1, unit_strides=())
         rows.append(R.compile_case(case, Path(tmp)))
 print(json.dumps(rows))
 """
@@ -395,8 +450,9 @@ def test_row_kernel_compiles_for_sm90_without_spills():
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
         pytest.skip(f"this Triton install has no ptxas / cuobjdump under {tools}")
-    cases = [(0, True, True, False, True), (1, True, True, False, True), (2, True, False, False, True),
+    flags = [(0, True, True, False, True), (1, True, True, False, True), (2, True, False, False, True),
              (2, False, True, True, True), (0, False, True, True, False)]
+    cases = [(*f, block_v, warps) for f in flags for _, block_v, warps in divergence.ROW_LAUNCHES]  # every launch
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(repo), json.dumps(cases)], env=env,

@@ -1,12 +1,15 @@
 """Host side of ``fused_linear_divergence``: chunks of rows, their four (or six) products, the row
 kernel between them, and the autograd.
 
-Per chunk of R rows (``chunk_rows``: R x V x 8 bytes within ``chunk_bytes``), the student's and the
-teacher's products ``h @ W.T`` go into two fp32 (R, V) buffers (cuBLAS with an fp32 output,
-``products.accumulate``: fp32 accumulation, never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values
-and, when a gradient is formed, da in the input dtype over the teacher buffer's own memory (a 16-bit
-da row in the first half of the fp32 row's bytes); then grad_hidden[rows] = da @ W_s and
-grad_weight += da^T @ h_s[rows] (``weight_grad_dtype``), grad_bias += the column sums.
+Per chunk of R rows (``plan_chunks``), the student's and the teacher's products ``h @ W.T`` go into
+two fp32 (R, V) buffers (cuBLAS with an fp32 output, ``products.accumulate``: fp32 accumulation,
+never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values and, when a
+gradient is formed, da in the input dtype. The gradient products run per group of M >= R rows:
+grad_hidden[rows] = da @ W_s, grad_weight += da^T @ h_s[rows] (``weight_grad_dtype``), grad_bias +=
+the column sums. Where M = R, da lies over the teacher buffer's own memory (a 16-bit da row in the
+first half of the fp32 row's bytes); where the budget buys fewer groups with smaller chunks, da
+goes to its own (M, V) buffer, filled by M / R chunks: a bf16 grad_weight summed over many groups
+pays its compensated pair's epilogue (~0.9 ms a product at D1) once a group, not once a chunk.
 
 Two strategies:
 
@@ -36,11 +39,30 @@ from . import device, gemm, pairs, products
 from .divergence_kernel import divergence_row_kernel
 from .validate import Options
 
-# The memory knob's default: one chunk's two fp32 (R, V) buffers (R x V x 8 bytes). Not measured:
-# 512 MiB is 512 rows of a 128256-class vocabulary, whose products still fill an H200.
+# The memory knob's default: one chunk's two fp32 (R, V) logit buffers and the (M, V) da of its
+# group (R x V x 8 + M x V x da's bytes; ``plan_chunks``).
 DEFAULT_DIVERGENCE_BYTES = 512 << 20
 # Row counts at least this large are rounded down to whole multiples of ROW_ALIGN (tile-friendly).
 ROW_ALIGN = 16
+# The rows of a chunk whose da goes to a buffer of its own (``plan_chunks``): on the GPU a chunk's
+# logit products stream both weights once (2 x V x H bytes) for R x V x H products, so R sets their
+# arithmetic intensity; on the interpreter, a few rows (several chunks a group at the tests' sizes).
+GROUP_CHUNK_ROWS = 256
+INTERPRETED_GROUP_CHUNK_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """How the rows go through the buffers: ``rows`` (R) a chunk of logits, ``group`` (M) the rows
+    whose gradient products run together; ``own_da``: da in an (M, V) buffer of its own (M > R),
+    else over the teacher's logit buffer (M = R)."""
+
+    rows: int
+    group: int
+
+    @property
+    def own_da(self) -> bool:
+        return self.group > self.rows
 
 
 @dataclass(frozen=True)
@@ -59,23 +81,61 @@ class Spec:
         return 0 if self.beta == 0 else 1 if self.beta == 1 else 2
 
 
-def chunk_rows(n: int, v: int, chunk_bytes: int | None) -> int:
-    """Rows per chunk: as many as two fp32 (R, V) buffers within ``chunk_bytes`` hold (default
-    DEFAULT_DIVERGENCE_BYTES), at least 1, in multiples of ROW_ALIGN from there on; all N when they fit."""
-    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
-    rows = max(1, budget // (8 * v))
-    if rows >= n:
-        return n
+def _aligned(rows: int) -> int:
     return rows // ROW_ALIGN * ROW_ALIGN if rows >= ROW_ALIGN else rows
 
 
-def row_blocks(r: int, v: int) -> tuple[int, int]:
-    """The row kernel's (BLOCK_N, BLOCK_V): one row of 1024-class blocks a program on a GPU (not
-    measured); on the interpreter, whose cost is per operation, up to 32 rows of 256 classes
-    (still several blocks a row, and of rows, at the tests' sizes)."""
+def chunk_rows(n: int, v: int, chunk_bytes: int | None) -> int:
+    """Rows per chunk with da over the teacher's buffer: as many as two fp32 (R, V) buffers within
+    ``chunk_bytes`` hold (default DEFAULT_DIVERGENCE_BYTES), at least 1, in multiples of ROW_ALIGN
+    from there on; all N when they fit."""
+    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
+    rows = max(1, budget // (8 * v))
+    return n if rows >= n else _aligned(rows)
+
+
+def plan_chunks(n: int, v: int, chunk_bytes: int | None, da_bytes: int | None = None) -> Chunks:
+    """The chunks and gradient groups within ``chunk_bytes``. Values only (``da_bytes`` None) or all
+    rows in one chunk: ``chunk_rows`` rows, da (if any) over the teacher's buffer. Else, with R =
+    ``GROUP_CHUNK_ROWS`` (at most what fits in place), the rest of the budget is da's own buffer, M
+    rows of ``da_bytes`` per class (all N rows when they fit, and then any budget left widens the
+    chunks): taken where M exceeds the in-place rows, so that fewer groups pay the gradient
+    products' fixed costs."""
+    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
+    in_place = chunk_rows(n, v, budget)
+    if da_bytes is None or in_place >= n:
+        return Chunks(in_place, in_place)
+    rows = min(INTERPRETED_GROUP_CHUNK_ROWS if device.interpreted() else GROUP_CHUNK_ROWS, in_place)
+    group = (budget - 8 * rows * v) // (da_bytes * v)
+    if group >= n:
+        group = n
+        rows = max(rows, min(n, _aligned((budget - da_bytes * n * v) // (8 * v))))
+    group = _aligned(group)
+    return Chunks(rows, group) if group > in_place else Chunks(in_place, in_place)
+
+
+# The row kernel on a GPU: one row a program, its vocabulary in blocks of BLOCK_V classes with
+# num_warps warps, by the programs each SM gets (``row_blocks``): (most programs an SM, BLOCK_V,
+# warps), the first that takes them. H200, bf16, the row kernel with da at D1 / D2 in chunks of 256,
+# 432 / 512 and 8192 rows (``benchmarks/experiments/experiment_distill_rows.py``): few rows a chunk
+# leave each SM one or two long programs, and larger blocks keep more bytes in flight (D1 beta = 1,
+# ms for all N rows: 256 rows 14.0 with 1024 / 4 against 7.0 with 4096 / 16; 432 rows 9.4 against
+# 7.1 with 2048 / 8; all rows 5.6 with 1024 / 4 against 5.4 / 6.2, and at beta = 0.5 8.9 against
+# 9.4 / 11.1).
+ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
+
+
+def row_blocks(r: int, v: int, where: torch.device) -> tuple[int, int, int]:
+    """The row kernel's (BLOCK_N, BLOCK_V, num_warps) for a chunk of ``r`` rows: on a GPU one row a
+    program (``ROW_LAUNCHES``); on the interpreter, whose cost is per operation, up to 32 rows of
+    256 classes (still several blocks a row, and of rows, at the tests' sizes), one warp."""
     if device.interpreted():
-        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v))
-    return 1, min(1024, triton.next_power_of_2(v))
+        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v)), 1
+    per_sm = r / device.sm_count(where)
+    for most, block_v, warps in ROW_LAUNCHES:
+        if most is None or per_sm <= most:
+            return 1, min(block_v, triton.next_power_of_2(v)), warps
+    raise AssertionError("ROW_LAUNCHES ends open")
 
 
 def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,7 +156,7 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
     log_b = math.log(beta) if beta > 0 else 0.0
     b_s, b_t = biases
     dummy = stats
-    rows, cols = row_blocks(r, v)
+    rows, cols, warps = row_blocks(r, v, zs.device)
     divergence_row_kernel[(triton.cdiv(r, rows),)](
         zs, zt, da if da is not None else zt, b_s if b_s is not None else dummy, b_t if b_t is not None else dummy,
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
@@ -108,13 +168,31 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
         DIV_GRAD=div_grad,
         BLOCK_N=rows, BLOCK_V=cols, BF16_EMULATION=device.bf16_emulation(dtype),
-        num_warps=1 if device.interpreted() else 4,
+        num_warps=warps,
     )
 
 
-def _buffers(n: int, v: int, spec: Spec, where):
-    rows = chunk_rows(n, v, spec.chunk_bytes)
-    return rows, device.new((rows, v), torch.float32, where), device.new((rows, v), torch.float32, where)
+def _buffers(n: int, v: int, spec: Spec, where, da_dtype: torch.dtype | None):
+    """(the plan, the two fp32 logit buffers, da's own buffer or None) for da in ``da_dtype`` (None:
+    values only)."""
+    plan = plan_chunks(n, v, spec.chunk_bytes, None if da_dtype is None else da_dtype.itemsize)
+    zs, zt = (device.new((plan.rows, v), torch.float32, where) for _ in range(2))
+    return plan, zs, zt, device.new((plan.group, v), da_dtype, where) if plan.own_da else None
+
+
+def _groups(n: int, plan: Chunks):
+    """(group slice, [chunk slices]) over the rows."""
+    for g0 in range(0, n, plan.group):
+        g1 = min(n, g0 + plan.group)
+        yield slice(g0, g1), [slice(r0, min(g1, r0 + plan.rows)) for r0 in range(g0, g1, plan.rows)]
+
+
+def _chunk_da(da_buf, zt, group: slice, sl: slice, dtype):
+    """Where the chunk ``sl`` of ``group`` writes its da: its rows of da's own buffer, or over its
+    teacher logits (``_da_view``)."""
+    if da_buf is None:
+        return _da_view(zt, dtype)
+    return da_buf[sl.start - group.start: sl.stop - group.start]
 
 
 def _logits(student, teacher, sl, zs, zt):
@@ -149,8 +227,10 @@ def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
     each times ``unscale`` ((1,) fp32) in fp32 before its rounding. A bf16 grad_weight with ``lo``
     (several chunks) is summed as a compensated pair, without ``lo`` written once."""
     dx, dw, db = grads
-    if dx is not None:
+    if dx is not None and gemm.fills_one_wave(da, student[1]):
         products.product(da, student[1], dx[sl], False, unscale)
+    elif dx is not None:  # few output tiles over a V-long reduction: cuBLAS splits it
+        products.rows_product(da, student[1], dx[sl], unscale)
     if dw is not None and dw.dtype == torch.float32:
         gemm.matmul(da.t(), student[0][sl], dw, not first, unscale)
     elif dw is not None and lo is not None:
@@ -171,11 +251,11 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None,
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, where = hidden.dtype, hidden.device
-    rows, zs_buf, zt_buf = _buffers(n, v, spec, where)
-    stats = device.new((3, n), torch.float32, where)
-    out = device.new((3, n), torch.float32, where)
     need_dx, need_dw, need_db = needs
     write = any(needs)
+    plan, zs_buf, zt_buf, da_buf = _buffers(n, v, spec, where, dtype if write else None)
+    stats = device.new((3, n), torch.float32, where)
+    out = device.new((3, n), torch.float32, where)
     coef = None
     grads = (None, None, None)
     if write:
@@ -184,18 +264,18 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None,
         grads = (device.new((n, h), torch.float32 if dtype == torch.float16 else dtype, where) if need_dx else None,
                  None,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
-    dw, lo = _weight_grad(write and need_dw, v, h, dw_dtype, rows < n, where)
+    dw, lo = _weight_grad(write and need_dw, v, h, dw_dtype, plan.group < n, where)
     grads = (grads[0], dw, grads[2])
-    for row0 in range(0, n, rows):
-        r = min(rows, n - row0)
-        sl = slice(row0, row0 + r)
-        zs, zt = zs_buf[:r], zt_buf[:r]
-        _logits(student, teacher, sl, zs, zt)
-        da = _da_view(zt, dtype) if write else None
-        _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, row0, n, spec,
-                values=True, write_da=write, stats_known=False, dtype=dtype)
+    for group, chunks in _groups(n, plan):
+        for sl in chunks:
+            zs, zt = zs_buf[:sl.stop - sl.start], zt_buf[:sl.stop - sl.start]
+            _logits(student, teacher, sl, zs, zt)
+            da = _chunk_da(da_buf, zt, group, sl, dtype) if write else None
+            _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, sl.start, n, spec,
+                    values=True, write_da=write, stats_known=False, dtype=dtype)
         if write:
-            _gradient_products(da, student, sl, grads, unscale, row0 == 0, lo)
+            da = da if da_buf is None else da_buf[:group.stop - group.start]
+            _gradient_products(da, student, group, grads, unscale, group.start == 0, lo)
     return (out, stats, *grads)
 
 
@@ -211,20 +291,20 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
     dtype, where = hidden.dtype, hidden.device
     need_dx, need_dw, need_db = needs
     coef, unscale = _lift(coef)
-    rows, zs_buf, zt_buf = _buffers(n, v, spec, where)
+    plan, zs_buf, zt_buf, da_buf = _buffers(n, v, spec, where, dtype)
     dw_dtype = dw_dtype or weight.dtype
-    dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), rows < n, where)
+    dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), plan.group < n, where)
     grads = (device.new((n, h), dtype, where) if need_dx else None, dw,
              torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
-    for row0 in range(0, n, rows):
-        r = min(rows, n - row0)
-        sl = slice(row0, row0 + r)
-        zs, zt = zs_buf[:r], zt_buf[:r]
-        _logits(student, teacher if div_grad else None, sl, zs, zt)
-        da = _da_view(zt, dtype)
-        _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, row0, n, spec,
-                values=False, write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
-        _gradient_products(da, student, sl, grads, unscale, row0 == 0, lo)
+    for group, chunks in _groups(n, plan):
+        for sl in chunks:
+            zs, zt = zs_buf[:sl.stop - sl.start], zt_buf[:sl.stop - sl.start]
+            _logits(student, teacher if div_grad else None, sl, zs, zt)
+            da = _chunk_da(da_buf, zt, group, sl, dtype)
+            _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, sl.start, n, spec,
+                    values=False, write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
+        da = da if da_buf is None else da_buf[:group.stop - group.start]
+        _gradient_products(da, student, group, grads, unscale, group.start == 0, lo)
     dx, dw, db = grads
     return (dx, dw.to(dw_dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
