@@ -186,7 +186,7 @@ def test_several_chunks_fp16_mask():
                          ids=["one_chunk", "pair_in_place", "pair_own_da", "recompute_pair_own_da"])
 def test_bf16_weight_gradient(strategy, reduction, chunk_bytes, groups, small_groups, monkeypatch):
     """bf16's weight gradient: rounded once from one chunk, or summed over several groups as a bf16 +
-    int8 compensated pair (``products.compensated``), da over the teacher's buffer or in its own
+    4-bit compensated pair (``products.compensated``), da over the teacher's buffer or in its own
     (groups of 32 rows in chunks of 8), on the chunked strategy then scaled in place. On the CPU
     through the kernels' BF16_EMULATION (tl.dot on upcast tiles, round-to-nearest-even casts: what
     the GPU computes; tests/kernel/test_bf16_emulation.py)."""
@@ -212,9 +212,10 @@ def test_plan_chunks(monkeypatch):
     groups than da over the teacher's buffer; everything within the budget."""
     monkeypatch.setattr(divergence.device, "interpreted", lambda: False)
     plan, v, mib = divergence.plan_chunks, 151936, 1 << 20
-    assert plan(8192, v, None, 2) == divergence.Chunks(256, 736)  # 12 groups against 19 in place
+    assert plan(8192, v, None, 2) == divergence.Chunks(256, 1184)  # 7 groups against 16 in place
+    assert plan(8192, v, 512 * mib, 2) == divergence.Chunks(256, 736)  # 12 against 19
     assert plan(8192, v, 512 * mib, 4) == divergence.Chunks(432, 432)  # fp32 da: 371 rows alone, fewer
-    assert plan(8192, v, None, None) == divergence.Chunks(432, 432)  # values only
+    assert plan(8192, v, None, None) == divergence.Chunks(544, 544)  # values only
     assert plan(300, v, None, 2) == divergence.Chunks(300, 300)  # one chunk
     assert plan(8192, v, 4096 * mib, 2) == divergence.Chunks(1472, 8192)  # all rows' da; wider chunks
     for n in (1000, 8192, 65536):

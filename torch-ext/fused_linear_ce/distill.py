@@ -69,10 +69,12 @@ def fused_linear_divergence(
         outputs: a tuple of ``"entropy"`` (the student's, no gradient) and ``"log_probs"`` (the
             student's log-prob of ``targets``, differentiable): returned in a dict beside the
             divergence, each (...) fp32, 0 on uncounted rows.
-        chunk_bytes: the memory knob: one chunk's two fp32 (R, V) logit buffers, R x V x 8 bytes
-            (default 512 MiB). The gradients come on top, with the weight's summed over chunks in fp32
-            (4 V x H_s bytes; bf16 on the chunked strategy: a bf16 + int8 pair, its own bytes and
-            V x H_s more).
+        chunk_bytes: the memory knob: one chunk's two fp32 (R, V) logit buffers and, for the
+            gradients, da of the M >= R rows whose gradient products run together, R x V x 8 +
+            M x V x (2 or 4) bytes (default 640 MiB: at 8192 x 2048 x 151936, chunks of 256 rows in
+            groups of 1184). The gradients come on top, with the weight's summed over groups in
+            fp32 (4 V x H_s bytes; bf16 on the chunked strategy: a bf16 + 4-bit pair, its own bytes
+            and V x H_s / 2 more).
         strategy: "chunked" (the gradients formed in the forward, four products a chunk; the backward
             scales them; "mean" / "sum" only), "recompute" (the forward computes values with two
             products a chunk, the backward recomputes the logits: six in all), or "auto" (default):

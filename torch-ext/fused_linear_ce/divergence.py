@@ -9,7 +9,7 @@ grad_hidden[rows] = da @ W_s, grad_weight += da^T @ h_s[rows] (``weight_grad_dty
 the column sums. Where M = R, da lies over the teacher buffer's own memory (a 16-bit da row in the
 first half of the fp32 row's bytes); where the budget buys fewer groups with smaller chunks, da
 goes to its own (M, V) buffer, filled by M / R chunks: a bf16 grad_weight summed over many groups
-pays its compensated pair's epilogue (~0.9 ms a product at D1) once a group, not once a chunk.
+pays its compensated pair's epilogue (~0.8 ms a product at D1) once a group, not once a chunk.
 
 Two strategies:
 
@@ -40,8 +40,13 @@ from .divergence_kernel import divergence_row_kernel
 from .validate import Options
 
 # The memory knob's default: one chunk's two fp32 (R, V) logit buffers and the (M, V) da of its
-# group (R x V x 8 + M x V x da's bytes; ``plan_chunks``).
-DEFAULT_DIVERGENCE_BYTES = 512 << 20
+# group (R x V x 8 + M x V x da's bytes; ``plan_chunks``). With bf16 grad_weight's 4-bit remainder
+# (V x H_s / 2 bytes, ``REMAINDER``) 794 MiB at D1 (8192 x 2048 x 151936): 7 groups of 1184 rows.
+DEFAULT_DIVERGENCE_BYTES = 640 << 20
+# The remainder of a bf16 grad_weight summed over several groups (``products.compensated``): 4 bits
+# (``pairs.compensation_buffer``: ~12 bits of each partial sum, against 2^-9 for the final bf16
+# rounding), half the int8 remainder's V x H_s bytes, spent on da's rows instead.
+REMAINDER = torch.uint8
 # Row counts at least this large are rounded down to whole multiples of ROW_ALIGN (tile-friendly).
 ROW_ALIGN = 16
 # The rows of a chunk whose da goes to a buffer of its own (``plan_chunks``): on the GPU a chunk's
@@ -206,20 +211,20 @@ def _logits(student, teacher, sl, zs, zt):
 
 def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the "chunked" strategy's weight gradient from the forward: bf16 for bf16 inputs
-    (one chunk: rounded once; several: summed as a bf16 + int8 compensated pair,
-    ``products.compensated``, ~16 bits of each partial sum), else fp32 (fp32 inputs, fp16's
+    (one group: rounded once; several: summed as a bf16 + 4-bit compensated pair, ``REMAINDER``,
+    ``products.compensated``, ~12 bits of each partial sum), else fp32 (fp32 inputs, fp16's
     often-subnormal unit gradients, an fp32 master weight): an exact fp32 accumulator. The recompute
     backward sums its weight gradient the same way."""
     return torch.bfloat16 if hidden_dtype == weight_dtype == torch.bfloat16 else torch.float32
 
 
 def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, where):
-    """(grad_weight (V, H) of ``dtype``, the int8 remainder of its compensated pair when it is 16-bit
-    and summed over ``several`` chunks, else None); (None, None) when not ``need``ed."""
+    """(grad_weight (V, H) of ``dtype``, the remainder (``REMAINDER``) of its compensated pair when it
+    is 16-bit and summed over ``several`` groups, else None); (None, None) when not ``need``ed."""
     if not need:
         return None, None
     dw = device.new((v, h), dtype, where)
-    return dw, pairs.compensation_buffer(dw, torch.int8) if dtype != torch.float32 and several else None
+    return dw, pairs.compensation_buffer(dw, REMAINDER) if dtype != torch.float32 and several else None
 
 
 def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
