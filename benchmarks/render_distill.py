@@ -1,14 +1,18 @@
-"""Markdown tables from a bench_distill.py JSON: the full table beside it, and a summary into a README block.
+"""Markdown tables from a bench_distill.py JSON: the full table beside it, and summaries into README blocks.
 
     python3 benchmarks/render_distill.py benchmarks/results/distill/h200.json                # writes h200.md beside it
     python3 benchmarks/render_distill.py benchmarks/results/distill/h200.json --readme README.md
     python3 benchmarks/render_distill.py benchmarks/results/distill/h200.json --readme README.md --check
+    python3 benchmarks/render_distill.py --blocks [--check]     # every block of BLOCKS (the docs' own)
 
 The full table: one row per (shape, dist, beta, method), time (median of the rounds, ± half their
 range), its ratio to the floor and to TRL's head, extra memory and the errors against the reference.
-The README block, from ``<!-- results:distill -->`` to ``<!-- /results:distill -->`` (markers kept, each
-on its own line, the rest of the file untouched; the convention of ``render.py``): one row per (shape,
-dist, beta), one cell "ms, MiB" per method. ``--check`` exits 1 where the block differs from the JSON.
+A block, from ``<!-- results:NAME -->`` to ``<!-- /results:NAME -->`` (``--block``, default
+"distill"; markers kept, each on its own line, the rest of the file untouched; the convention of
+``render.py``): the run's header and source, one row per (shape, dist, beta) (``--shapes`` /
+``--dists`` keep some), one cell "ms, MiB" per method. ``--check`` exits 1 where a block differs
+from its JSON. ``--blocks``: the blocks that README.md and docs/benchmarks.md show, listed with
+their JSON in BLOCKS (``benchmarks/results/distill/blocks.json``; ``tests/packaging`` checks them).
 Standard library only.
 """
 
@@ -19,11 +23,13 @@ import sys
 from pathlib import Path
 
 BLOCK_NAME = "distill"
-BLOCK = re.compile(rf"^<!-- results:{BLOCK_NAME} -->\n(.*?)^<!-- /results:{BLOCK_NAME} -->$", re.MULTILINE | re.DOTALL)
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS = ROOT / "benchmarks" / "results" / "distill" / "blocks.json"
 SUMMARY_METHODS = (  # (method, column label)
     ("flce", "ours"),
     ("flce-fast", "ours, one chunk"),
     ("flce-trl", "ours via TRL's call"),
+    ("flce-none", "ours, \"none\""),
     ("trl", "TRL's head"),
     ("liger", "Liger"),
     ("torch-compile", "torch.compile"),
@@ -87,12 +93,18 @@ def full_table(data):
     return "\n".join(out) + "\n"
 
 
-def summary_block(data):
-    """The README block's body: fwd+bwd ms and extra MiB per method, one row per case."""
-    meta, rows = data["meta"], data["rows"]
+def _block(name):
+    return re.compile(rf"^<!-- results:{name} -->\n(.*?)^<!-- /results:{name} -->$", re.MULTILINE | re.DOTALL)
+
+
+def summary_block(data, source=None, shapes=None, dists=None):
+    """A block's body: fwd+bwd ms and extra MiB per method, one row per case (those of ``shapes`` and
+    ``dists`` where given); ``source``: the JSON's path, named under the header."""
+    meta = data["meta"]
+    rows = [r for r in data["rows"] if (not shapes or r["shape"] in shapes) and (not dists or r["dist"] in dists)]
     present = {r["method"] for r in rows}
     cols = [(m, label) for m, label in SUMMARY_METHODS if m in present]
-    out = [header(meta), "",
+    out = [header(meta) + (f" · `{source}`" if source else ""), "",
            "| shape | dist | beta | " + " | ".join(label for _, label in cols) + " |",
            "|---|---|---|" + "---:|" * len(cols)]
     for (shape, dist, beta), by in _by_case(rows).items():
@@ -113,22 +125,58 @@ def summary_block(data):
     return "\n".join(out)
 
 
-def fill(text, body):
-    """``text`` with its distill block's body replaced; ValueError when the block is missing or twice."""
-    found = BLOCK.findall(text)
+def fill(text, body, name=BLOCK_NAME):
+    """``text`` with its block ``name``'s body replaced; ValueError when the block is missing or twice."""
+    block = _block(name)
+    found = block.findall(text)
     if len(found) != 1:
-        raise ValueError(f"expected one <!-- results:{BLOCK_NAME} --> ... <!-- /results:{BLOCK_NAME} --> block, "
+        raise ValueError(f"expected one <!-- results:{name} --> ... <!-- /results:{name} --> block, "
                          f"found {len(found)}")
-    return BLOCK.sub(lambda m: f"<!-- results:{BLOCK_NAME} -->\n{body}\n<!-- /results:{BLOCK_NAME} -->", text)
+    return block.sub(lambda m: f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->", text)
+
+
+def render_block(readme: Path, json_path: Path, name=BLOCK_NAME, shapes=None, dists=None, check=False,
+                 source=None) -> bool:
+    """Fills (or with ``check`` compares) ``readme``'s block ``name`` from ``json_path``; whether it was
+    already the same."""
+    data = json.loads(json_path.read_text())
+    text = readme.read_text()
+    new = fill(text, summary_block(data, source or str(json_path), shapes, dists), name)
+    if new == text:
+        return True
+    if check:
+        print(f"{readme}: the results:{name} block differs from {json_path}", file=sys.stderr)
+    else:
+        readme.write_text(new)
+        print(f"filled the results:{name} block of {readme}")
+    return False
+
+
+def render_blocks(root: Path = ROOT, check=False) -> bool:
+    """Every block of ``BLOCKS`` ([{"file", "block", "json", "shapes"?, "dists"?}], paths from the
+    repository's root); whether all were already the same."""
+    same = True
+    for b in json.loads((root / BLOCKS.relative_to(ROOT)).read_text()):
+        same &= render_block(root / b["file"], root / b["json"], b["block"], b.get("shapes"), b.get("dists"),
+                             check, source=b["json"])
+    return same
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", help="a bench_distill.py JSON")
+    ap.add_argument("json", nargs="?", help="a bench_distill.py JSON")
     ap.add_argument("--md", default=None, help="the full table's path (default: the JSON's, .md)")
-    ap.add_argument("--readme", default=None, help="a file with a results:distill block to fill")
-    ap.add_argument("--check", action="store_true", help="with --readme: compare only, exit 1 where it differs")
+    ap.add_argument("--readme", default=None, help="a file with a results block to fill")
+    ap.add_argument("--block", default=BLOCK_NAME, help="the block's name (results:NAME)")
+    ap.add_argument("--shapes", default=None, help="comma-separated shapes the block keeps (default all)")
+    ap.add_argument("--dists", default=None, help="comma-separated distributions the block keeps (default all)")
+    ap.add_argument("--blocks", action="store_true", help="every block listed in benchmarks/results/distill/blocks.json")
+    ap.add_argument("--check", action="store_true", help="compare only, exit 1 where a block differs")
     args = ap.parse_args(argv)
+    if args.blocks:
+        return 0 if render_blocks(check=args.check) or not args.check else 1
+    if args.json is None:
+        ap.error("a JSON, or --blocks")
     path = Path(args.json)
     data = json.loads(path.read_text())
     if data["meta"].get("harness") != "bench_distill":
@@ -138,16 +186,10 @@ def main(argv=None):
         md.write_text(full_table(data))
         print(f"wrote {md}")
     if args.readme:
-        readme = Path(args.readme)
-        text = readme.read_text()
-        new = fill(text, summary_block(data))
-        if args.check:
-            if new != text:
-                print(f"{readme}: the results:{BLOCK_NAME} block differs from {path}", file=sys.stderr)
-                return 1
-            return 0
-        readme.write_text(new)
-        print(f"filled the results:{BLOCK_NAME} block of {readme}")
+        split = lambda s: s.split(",") if s else None  # noqa: E731
+        same = render_block(Path(args.readme), path, args.block, split(args.shapes), split(args.dists), args.check)
+        if args.check and not same:
+            return 1
     return 0
 
 

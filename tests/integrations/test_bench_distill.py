@@ -253,3 +253,21 @@ def test_render_writes_the_table_and_fills_the_readme_block(harness, tmp_path):
     readme.write_text("no block here\n")
     with pytest.raises(ValueError, match="expected one"):
         render_distill.main([str(path), "--readme", str(readme)])
+    # a named block keeping some cases, its source named under the header
+    rows.append(dict(base, dist="peaked", method="flce", fwdbwd_ms=70.0, fwdbwd_ms_rounds=[70.0], x_floor=1.7,
+                     extra_mib=256.0))
+    path.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    readme.write_text("<!-- results:distill_peaked -->\n<!-- /results:distill_peaked -->\n")
+    args = [str(path), "--readme", str(readme), "--block", "distill_peaked", "--dists", "peaked"]
+    assert render_distill.main(args) == 0 and render_distill.main([*args, "--check"]) == 0
+    text = readme.read_text()
+    assert "| D1 | peaked | 0.5 | 70.0, 256 |" in text and "| D1 | random" not in text
+    assert f"· `{path}`" in text
+
+
+def test_the_docs_distill_blocks_match_their_json(harness):
+    """README.md's and docs/benchmarks.md's distillation tables are the ones their JSON renders
+    (``benchmarks/results/distill/blocks.json``)."""
+    _, _, _, render_distill = harness
+    assert render_distill.render_blocks(check=True)
+    assert render_distill.main(["--blocks", "--check"]) == 0
