@@ -111,11 +111,10 @@ def plan_chunks(n: int, v: int, chunk_bytes: int | None, da_bytes: int | None = 
     if da_bytes is None or in_place >= n:
         return Chunks(in_place, in_place)
     rows = min(INTERPRETED_GROUP_CHUNK_ROWS if device.interpreted() else GROUP_CHUNK_ROWS, in_place)
-    group = (budget - 8 * rows * v) // (da_bytes * v)
+    group = _aligned((budget - 8 * rows * v) // (da_bytes * v))
     if group >= n:
         group = n
         rows = max(rows, min(n, _aligned((budget - da_bytes * n * v) // (8 * v))))
-    group = _aligned(group)
     return Chunks(rows, group) if group > in_place else Chunks(in_place, in_place)
 
 

@@ -207,6 +207,17 @@ def test_own_da_buffer(strategy, reduction, small_groups, monkeypatch):
     assert calls == [32, N - 32]
 
 
+def test_own_da_buffer_of_all_rows(small_groups, monkeypatch):
+    """A budget whose da buffer holds all N rows: one group (its products once, grad_weight rounded
+    once), and what the budget has left widens the chunks past 8 rows (fp16: 2-byte da)."""
+    budget = 8 * V * 12 + 2 * V * N
+    plan = divergence.plan_chunks(N, V, budget, 2)
+    assert plan.group == N and 8 < plan.rows < N and 8 * V * plan.rows + 2 * V * N <= budget
+    calls = _count_groups(monkeypatch)
+    _check(_inputs(torch.float16, bias=True), torch.float16, beta=0.7, chunk_bytes=budget, lp_grad=True)
+    assert calls == [N, N]  # the forward's group, then the log-prob gradient's recompute
+
+
 def test_plan_chunks(monkeypatch):
     """The plan at D1-like sizes on the GPU: a 16-bit da takes its own buffer where that buys fewer
     groups than da over the teacher's buffer; everything within the budget."""
