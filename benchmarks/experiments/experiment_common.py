@@ -177,3 +177,45 @@ def pair_case(name, n=65536, h=4096, v=128256):
     da = (1e-4 * torch.randn(n, 2048, device="cuda", generator=g)).bfloat16()
     w = (0.02 * torch.randn(2048, h, device="cuda", generator=g)).bfloat16()
     return da, w, (n, h), "paired_rows"
+
+
+def divergence_step(data, beta, before=None, **kwargs):
+    """A fwd+bwd step of ``fused_linear_divergence`` on a ``distill_cases`` problem (``kwargs`` its
+    settings; with reduction "none" the loss is the mean of the per-token values), after ``before()``
+    (a setting to patch) where given: a callable returning (grad_hidden, grad_weight)."""
+    from fused_linear_ce import fused_linear_divergence
+
+    def step():
+        if before is not None:
+            before()
+        x = data.x_s.detach().requires_grad_(True)
+        w = data.w_s.detach().requires_grad_(True)
+        out = fused_linear_divergence(x, w, data.x_t, data.w_t, beta=beta, **kwargs)
+        (out.sum() / out.numel() if kwargs.get("reduction") == "none" else out).backward()
+        return x.grad, w.grad
+    return step
+
+
+def check_divergence_steps(shape, steps, refs, data, t0, plans=None):
+    """Each of ``steps`` ({name: divergence_step}, names ending "b=<beta>", those of reduction "none"
+    starting "step none") once before timing: dX / dW against ``refs[beta]`` (``distill_cases.reference``;
+    "none" against the mean's gradient times n_valid / n) and the extra memory (peak during the step
+    less what was allocated before and the gradients). Prints a line each; {name: dict(dx, dw,
+    extra_mib[, plan])}."""
+    checks = {}
+    for name, fn in steps.items():
+        beta = float(name.split("b=")[1])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        dx, dw = fn()
+        extra = (torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes) / MiB
+        scale = data.n_valid / data.n if name.startswith("step none") else 1.0
+        ref = refs[beta]
+        err = [float((g.float() - want.float() * scale).norm() / (want.float() * scale).norm())
+               for g, want in ((dx, ref["dx"]["mean"]), (dw, ref["dw"]["mean"]))]
+        checks[name] = dict(dx=err[0], dw=err[1], extra_mib=extra, **({"plan": plans[name]} if plans else {}))
+        print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}{' ' + plans[name] if plans else ''}: "
+              f"dx {err[0]:.1e} dw {err[1]:.1e} extra {extra:.0f} MiB", flush=True)
+        del dx, dw
+    return checks

@@ -23,7 +23,7 @@ import experiment_common as C  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distill_cases  # noqa: E402
-from fused_linear_ce import divergence, fused_linear_divergence, pairs, products  # noqa: E402
+from fused_linear_ce import divergence, pairs, products  # noqa: E402
 
 BETAS = (1.0, 0.5, 0.0)
 MIB = 1 << 20
@@ -34,26 +34,14 @@ STEPS = [(f"{plan} {mib}M", rows, mib, "mean") for mib in (512, 768, 1024)
     ("none in place 512M", IN_PLACE, 512, "none"), ("none own R=256 512M", 256, 512, "none")]
 
 
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def steps(data):
     runs, plans = {}, {}
     n, v = data.n, data.w_s.shape[0]
     for beta in BETAS:
         for label, ring, mib, reduction in STEPS:
-            def step(beta=beta, ring=ring, mib=mib, reduction=reduction):
-                divergence.GROUP_CHUNK_ROWS = ring
-                x = data.x_s.detach().requires_grad_(True)
-                w = data.w_s.detach().requires_grad_(True)
-                out = fused_linear_divergence(x, w, data.x_t, data.w_t, beta=beta, reduction=reduction,
-                                              chunk_bytes=mib * MIB)
-                loss = out.sum() / out.numel() if reduction == "none" else out
-                loss.backward()
-                return x.grad, w.grad
             name = f"step {label} b={beta:g}"
-            runs[name] = step
+            runs[name] = C.divergence_step(data, beta, lambda ring=ring: setattr(divergence, "GROUP_CHUNK_ROWS", ring),
+                                           reduction=reduction, chunk_bytes=mib * MIB)
             divergence.GROUP_CHUNK_ROWS = ring
             p = divergence.plan_chunks(n, v, mib * MIB, 2)
             plans[name] = f"R={p.rows} M={p.group} x{-(-n // p.group)}"
@@ -96,21 +84,7 @@ def main():
         runs = {"four products bf16": lambda: [data.x_t @ data.w_t.T, data.x_s @ data.w_s.T]}
         step_runs, plans = steps(data)
         runs.update(step_runs)
-        checks = {}
-        for name, fn in step_runs.items():  # check every step before timing
-            beta = float(name.split("b=")[1])
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            dx, dw = fn()
-            extra = (torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes) / MIB
-            scale = data.n_valid / data.n if "step none" in name else 1.0
-            ref = refs[beta]
-            err = (rel(dx, ref["dx"]["mean"] * scale), rel(dw, ref["dw"]["mean"] * scale))
-            checks[name] = dict(dx=err[0], dw=err[1], extra_mib=extra, plan=plans[name])
-            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name} {plans[name]}: dx {err[0]:.1e} dw {err[1]:.1e} "
-                  f"extra {extra:.0f} MiB", flush=True)
-            del dx, dw
+        checks = C.check_divergence_steps(shape, step_runs, refs, data, t0, plans)
         del refs
         torch.cuda.empty_cache()
         runs.update(pieces(data))

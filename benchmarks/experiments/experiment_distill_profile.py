@@ -21,17 +21,13 @@ import experiment_common as C  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distill_cases  # noqa: E402
-from fused_linear_ce import divergence, fused_linear_divergence, pairs, products  # noqa: E402
+from fused_linear_ce import divergence, pairs, products  # noqa: E402
 from fused_linear_ce.divergence import Spec  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
 BETAS = (1.0, 0.5, 0.0)
 BUDGETS = (512 << 20, 1 << 30, 1536 << 20, 2 << 30)  # chunk_bytes: the default, then larger
 GB = 1e9
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def pieces(data):
@@ -77,20 +73,10 @@ def pieces(data):
 
 
 def steps(data):
-    runs = {}
     variants = [(f"mean {b >> 20}M", dict(chunk_bytes=b)) for b in BUDGETS] + [("mean 1chunk", dict(chunk_bytes=1 << 40))]
     variants += [(f"none {b >> 20}M", dict(reduction="none", chunk_bytes=b)) for b in BUDGETS]
-    for beta in BETAS:
-        for label, kwargs in variants:
-            def step(beta=beta, kwargs=kwargs):
-                x = data.x_s.detach().requires_grad_(True)
-                w = data.w_s.detach().requires_grad_(True)
-                out = fused_linear_divergence(x, w, data.x_t, data.w_t, beta=beta, **kwargs)
-                loss = out.sum() / out.numel() if kwargs.get("reduction") == "none" else out
-                loss.backward()
-                return x.grad, w.grad
-            runs[f"step {label} b={beta:g}"] = step
-    return runs
+    return {f"step {label} b={beta:g}": C.divergence_step(data, beta, **kwargs)
+            for beta in BETAS for label, kwargs in variants}
 
 
 def main():
@@ -103,25 +89,9 @@ def main():
         refs = {b: distill_cases.reference(data, b)[0] for b in BETAS}
         runs = {"two logits bf16": lambda: [data.x_t @ data.w_t.T, data.x_s @ data.w_s.T]}
         runs.update(steps(data))
-        for name, fn in list(runs.items()):  # check every step before timing
-            if not name.startswith("step"):
-                continue
-            beta = float(name.split("b=")[1])
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            dx, dw = fn()
-            extra = (torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes) / C.MiB
-            ref = refs[beta]
-            red = "none" if "step none" in name else "mean"
-            scale = 1.0
-            if red == "none":  # loss = mean over all rows of the per-token values: the mean's gradient
-                scale = data.n_valid / data.n
-            err = (rel(dx, ref["dx"]["mean"] * scale), rel(dw, ref["dw"]["mean"] * scale))
-            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}: dx {err[0]:.1e} dw {err[1]:.1e} "
-                  f"extra {extra:.0f} MiB", flush=True)
-            rows.append(dict(shape=shape, name=name, dx=err[0], dw=err[1], extra_mib=extra))
-            del dx, dw
+        checks = C.check_divergence_steps(shape, {k: f for k, f in runs.items() if k.startswith("step")}, refs,
+                                          data, t0)
+        rows += [dict(shape=shape, name=name, **c) for name, c in checks.items()]
         del refs
         torch.cuda.empty_cache()
         runs.update(pieces(data))

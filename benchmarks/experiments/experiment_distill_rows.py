@@ -20,7 +20,7 @@ import experiment_common as C  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distill_cases  # noqa: E402
-from fused_linear_ce import divergence, fused_linear_divergence, products  # noqa: E402
+from fused_linear_ce import divergence, products  # noqa: E402
 from fused_linear_ce.divergence import Spec  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
@@ -71,19 +71,12 @@ def row_pieces(data, checks):
 
 
 def steps(data):
-    runs = {}
-    for beta in BETAS:
-        for plan, ring in (("own R=256", 256), ("in place", IN_PLACE)):
-            for launch in LAUNCHES[:5]:
-                def step(beta=beta, ring=ring, launch=launch):
-                    divergence.GROUP_CHUNK_ROWS = ring
-                    use(launch)
-                    x = data.x_s.detach().requires_grad_(True)
-                    w = data.w_s.detach().requires_grad_(True)
-                    fused_linear_divergence(x, w, data.x_t, data.w_t, beta=beta).backward()
-                    return x.grad, w.grad
-                runs[f"step {plan} V{launch[0]} w{launch[1]} b={beta:g}"] = step
-    return runs
+    def setting(ring, launch):
+        divergence.GROUP_CHUNK_ROWS = ring
+        use(launch)
+    return {f"step {plan} V{launch[0]} w{launch[1]} b={beta:g}":
+            C.divergence_step(data, beta, lambda ring=ring, launch=launch: setting(ring, launch))
+            for beta in BETAS for plan, ring in (("own R=256", 256), ("in place", IN_PLACE)) for launch in LAUNCHES[:5]}
 
 
 def main():
@@ -95,19 +88,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = False  # an IEEE fp32 reference
         refs = {b: distill_cases.reference(data, b)[0] for b in BETAS}
         runs = steps(data)
-        checks = {}
-        for name, fn in runs.items():
-            beta = float(name.split("b=")[1])
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            dx, dw = fn()
-            extra = (torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes) / MIB
-            err = (rel(dx, refs[beta]["dx"]["mean"]), rel(dw, refs[beta]["dw"]["mean"]))
-            checks[name] = dict(dx=err[0], dw=err[1], extra_mib=extra)
-            print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}: dx {err[0]:.1e} dw {err[1]:.1e} "
-                  f"extra {extra:.0f} MiB", flush=True)
-            del dx, dw
+        checks = C.check_divergence_steps(shape, runs, refs, data, t0)
         del refs
         torch.cuda.empty_cache()
         times = C.interleaved(runs, rounds=args.rounds, rep=200)
