@@ -219,3 +219,13 @@ def check_divergence_steps(shape, steps, refs, data, t0, plans=None):
               f"dx {err[0]:.1e} dw {err[1]:.1e} extra {extra:.0f} MiB", flush=True)
         del dx, dw
     return checks
+
+
+def distill_problem(shape, betas):
+    """(data, {beta: reference}) of a ``distill_cases`` shape: peaked data on the GPU, each beta's
+    reference with IEEE fp32 products (``distill_cases.reference``)."""
+    import distill_cases
+
+    data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return data, {b: distill_cases.reference(data, b)[0] for b in betas}

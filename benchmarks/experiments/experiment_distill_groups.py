@@ -21,8 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiment_common as C  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distill_cases  # noqa: E402
 from fused_linear_ce import divergence, pairs, products  # noqa: E402
 
 BETAS = (1.0, 0.5, 0.0)
@@ -78,9 +76,7 @@ def main():
     rows = []
     t0 = time.perf_counter()
     for shape in args.shapes:
-        data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
-        torch.backends.cuda.matmul.allow_tf32 = False  # an IEEE fp32 reference
-        refs = {b: distill_cases.reference(data, b)[0] for b in BETAS}
+        data, refs = C.distill_problem(shape, BETAS)
         runs = {"four products bf16": lambda: [data.x_t @ data.w_t.T, data.x_s @ data.w_s.T]}
         step_runs, plans = steps(data)
         runs.update(step_runs)

@@ -18,8 +18,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiment_common as C  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import distill_cases  # noqa: E402
 from fused_linear_ce import divergence, products  # noqa: E402
 from fused_linear_ce.divergence import Spec  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
@@ -84,9 +82,7 @@ def main():
     rows = []
     t0 = time.perf_counter()
     for shape in args.shapes:
-        data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
-        torch.backends.cuda.matmul.allow_tf32 = False  # an IEEE fp32 reference
-        refs = {b: distill_cases.reference(data, b)[0] for b in BETAS}
+        data, refs = C.distill_problem(shape, BETAS)
         runs = steps(data)
         checks = C.check_divergence_steps(shape, runs, refs, data, t0)
         del refs
