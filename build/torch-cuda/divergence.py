@@ -229,7 +229,7 @@ def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, 
 def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
     """grad_hidden[rows] = da @ W_s, grad_weight (+)= da^T @ h_s[rows], grad_bias += column sums,
     each times ``unscale`` ((1,) fp32) in fp32 before its rounding. A bf16 grad_weight with ``lo``
-    (several chunks) is summed as a compensated pair, without ``lo`` written once."""
+    (several groups) is summed as a compensated pair, without ``lo`` written once."""
     dx, dw, db = grads
     if dx is not None and gemm.fills_one_wave(da, student[1]):
         products.product(da, student[1], dx[sl], False, unscale)
@@ -245,6 +245,22 @@ def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
         db += torch.sum(da, 0, dtype=torch.float32) * unscale  # summed in fp32, no fp32 copy of da
 
 
+def _sweep(student, teacher, plan: Chunks, buffers, dtype, launch, grads=None, unscale=None, lo=None):
+    """Every chunk's logits (the teacher's only when ``teacher`` is given) and row kernel
+    (``launch(zs, zt, da, row0)``, da None without ``grads``), and with ``grads`` each group's
+    gradient products (``_gradient_products``) once its chunks have written their da."""
+    zs_buf, zt_buf, da_buf = buffers
+    for group, chunks in _groups(student[0].shape[0], plan):
+        for sl in chunks:
+            zs, zt = zs_buf[:sl.stop - sl.start], zt_buf[:sl.stop - sl.start]
+            _logits(student, teacher, sl, zs, zt)
+            da = _chunk_da(da_buf, zt, group, sl, dtype) if grads is not None else None
+            launch(zs, zt, da, sl.start)
+        if grads is not None:
+            da = da if da_buf is None else da_buf[:group.stop - group.start]
+            _gradient_products(da, student, group, grads, unscale, group.start == 0, lo)
+
+
 def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None, dw_dtype=torch.float32):
     """The values and, with any of ``needs`` (dx, dw, db) and ``unscale``, the gradients of
     sum_rows(counted divergence) * unscale (the "chunked" strategy). ``student``/``teacher``:
@@ -257,7 +273,7 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None,
     dtype, where = hidden.dtype, hidden.device
     need_dx, need_dw, need_db = needs
     write = any(needs)
-    plan, zs_buf, zt_buf, da_buf = _buffers(n, v, spec, where, dtype if write else None)
+    plan, *buffers = _buffers(n, v, spec, where, dtype if write else None)
     stats = device.new((3, n), torch.float32, where)
     out = device.new((3, n), torch.float32, where)
     coef = None
@@ -270,16 +286,11 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
     dw, lo = _weight_grad(write and need_dw, v, h, dw_dtype, plan.group < n, where)
     grads = (grads[0], dw, grads[2])
-    for group, chunks in _groups(n, plan):
-        for sl in chunks:
-            zs, zt = zs_buf[:sl.stop - sl.start], zt_buf[:sl.stop - sl.start]
-            _logits(student, teacher, sl, zs, zt)
-            da = _chunk_da(da_buf, zt, group, sl, dtype) if write else None
-            _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, sl.start, n, spec,
-                    values=True, write_da=write, stats_known=False, dtype=dtype)
-        if write:
-            da = da if da_buf is None else da_buf[:group.stop - group.start]
-            _gradient_products(da, student, group, grads, unscale, group.start == 0, lo)
+
+    def launch(zs, zt, da, row0):
+        _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, row0, n, spec, values=True,
+                write_da=write, stats_known=False, dtype=dtype)
+    _sweep(student, teacher, plan, buffers, dtype, launch, grads if write else None, unscale, lo)
     return (out, stats, *grads)
 
 
@@ -295,20 +306,16 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
     dtype, where = hidden.dtype, hidden.device
     need_dx, need_dw, need_db = needs
     coef, unscale = _lift(coef)
-    plan, zs_buf, zt_buf, da_buf = _buffers(n, v, spec, where, dtype)
+    plan, *buffers = _buffers(n, v, spec, where, dtype)
     dw_dtype = dw_dtype or weight.dtype
     dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), plan.group < n, where)
     grads = (device.new((n, h), dtype, where) if need_dx else None, dw,
              torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
-    for group, chunks in _groups(n, plan):
-        for sl in chunks:
-            zs, zt = zs_buf[:sl.stop - sl.start], zt_buf[:sl.stop - sl.start]
-            _logits(student, teacher if div_grad else None, sl, zs, zt)
-            da = _chunk_da(da_buf, zt, group, sl, dtype)
-            _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, sl.start, n, spec,
-                    values=False, write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
-        da = da if da_buf is None else da_buf[:group.stop - group.start]
-        _gradient_products(da, student, group, grads, unscale, group.start == 0, lo)
+
+    def launch(zs, zt, da, row0):
+        _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, row0, n, spec, values=False,
+                write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
+    _sweep(student, teacher if div_grad else None, plan, buffers, dtype, launch, grads, unscale, lo)
     dx, dw, db = grads
     return (dx, dw.to(dw_dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
