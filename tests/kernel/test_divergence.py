@@ -527,3 +527,31 @@ def test_gpu_bf16_realistic(beta, h_t):
         rgh, rgw = torch.autograd.grad(rdiv, leaves)
         assert rel_err(div, rdiv) <= 1e-4
         assert rel_err(gh, rgh) <= 1.2e-2 and rel_err(gw, rgw) <= 1.2e-2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA memory statistics")
+def test_gpu_memory_within_the_budget_and_flat_in_n():
+    """The default "mean" step's extra memory (the peak during forward and backward beyond what was
+    allocated before and the two gradients): within ``chunk_bytes`` (logit buffers and da's own
+    buffer, ``divergence.plan_chunks``: chunks of 256 rows in groups of 1024 here), grad_weight's
+    4-bit remainder, a group's fp32 grad_hidden product and 1 MiB of O(N) statistics, and the same
+    at 4x the rows (2 and 8 groups)."""
+    v, h_s, h_t, budget = 32768, 512, 768, 128 << 20
+    assert divergence.plan_chunks(8192, v, budget, 2) == divergence.Chunks(256, 1024)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = (torch.randn(v, h_s, device="cuda", generator=g) / h_s**0.5).bfloat16().requires_grad_()
+    wt = (torch.randn(v, h_t, device="cuda", generator=g) / h_t**0.5).bfloat16()
+    extra = {}
+    for n in (2048, 8192, 2048):  # the first call also allocates cuBLAS's workspace: the last one counts
+        hs = torch.randn(n, h_s, device="cuda", generator=g).bfloat16().requires_grad_()
+        ht = torch.randn(n, h_t, device="cuda", generator=g).bfloat16()
+        ws.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fused_linear_divergence(hs, ws, ht, wt, beta=0.5, chunk_bytes=budget).backward()
+        torch.cuda.synchronize()
+        extra[n] = torch.cuda.max_memory_allocated() - base - hs.grad.nbytes - ws.grad.nbytes
+    bound = budget + v * h_s // 2 + 1024 * h_s * 4 + (1 << 20)
+    assert extra[8192] <= bound and extra[2048] <= bound, (extra, bound)
+    assert abs(extra[8192] - extra[2048]) <= 1 << 20, extra
