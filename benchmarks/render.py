@@ -11,7 +11,8 @@ each on its own line); everything between them is the renderer's. Blocks:
   full      docs/benchmarks.md: one table per shape, every method, both distributions
 Times are the median over the JSON's interleaved rounds, "±" half the range of the rounds (none
 where a row has one round: a JSON written before the rounds were kept). README's summary and
-settings and the docs' full block are required: a file without one of them is an error.
+settings and the docs' full block are required: a file without one of them is an error. Blocks
+another renderer owns (``FOREIGN``: ``render_distill.py``'s distillation tables) are left as they are.
 """
 
 import argparse
@@ -27,6 +28,8 @@ FILES = {"README.md": ("summary", "settings"), "docs/benchmarks.md": ("full",)}
 SUMMARY_DIST = "random"
 BLOCK = re.compile(r"^<!-- results:([\w-]+) -->\n(.*?)^<!-- /results:\1 -->$", re.MULTILINE | re.DOTALL)
 OPEN = re.compile(r"^<!-- (/?)results:([\w-]+) -->$", re.MULTILINE)
+# Names of the blocks ``render_distill.py`` renders and checks (``benchmarks/results/distill/blocks.json``).
+FOREIGN = re.compile(r"distill(_\w+)?")
 
 SUMMARY_ROWS = (  # (method in the JSON, label)
     ("flce", "ours, default"),
@@ -245,7 +248,7 @@ def apply(text, blocks, required=()):
     marks = [(m[1] == "/", m[2]) for m in OPEN.finditer(text)]
     depth = None
     for closing, name in marks:
-        if name not in blocks:
+        if name not in blocks and not FOREIGN.fullmatch(name):
             raise BlockError(f"unknown block {name!r} (known: {', '.join(blocks)})")
         if closing != (depth is not None) or (closing and name != depth):
             raise BlockError(f"unpaired or nested marker of block {name!r}")
@@ -258,7 +261,8 @@ def apply(text, blocks, required=()):
             raise BlockError(f"required block {name!r} is missing")
     if len(found) != len(set(found)):
         raise BlockError("a block appears twice")
-    return BLOCK.sub(lambda m: f"<!-- results:{m[1]} -->\n{blocks[m[1]]}\n<!-- /results:{m[1]} -->", text)
+    return BLOCK.sub(lambda m: f"<!-- results:{m[1]} -->\n{blocks[m[1]]}\n<!-- /results:{m[1]} -->"
+                     if m[1] in blocks else m[0], text)
 
 
 def check(root=REPO, json_path=None, files=FILES):

@@ -120,6 +120,20 @@ def test_an_edited_table_fails_the_check(mods, tmp_path):
     assert "-| bounded memory at any N (default)" in problem and "40.0 ±0.4 ms" in problem
 
 
+def test_another_renderers_blocks_are_left_as_they_are(mods, tmp_path):
+    """render_distill.py's blocks (``distill``, ``distill_<name>``) pass through, body and all; a
+    look-alike name is still unknown."""
+    render, _ = mods
+    write_tree(tmp_path, synthetic())
+    render.write(tmp_path)
+    readme = tmp_path / "README.md"
+    foreign = "<!-- results:distill -->\nbody | kept\n<!-- /results:distill -->\n"
+    readme.write_text(readme.read_text() + foreign)
+    assert render.check(tmp_path) == [] and render.write(tmp_path) == [] and readme.read_text().endswith(foreign)
+    readme.write_text(readme.read_text() + "<!-- results:distillery -->\n<!-- /results:distillery -->\n")
+    assert any("unknown block 'distillery'" in p for p in render.check(tmp_path))
+
+
 @pytest.mark.parametrize("case, text, message", [
     ("missing", "<!-- results:summary -->\n<!-- /results:summary -->\n", "required block 'settings' is missing"),
     ("unknown", "<!-- results:summary -->\n<!-- /results:summary -->\n<!-- results:settings -->\n"
