@@ -212,8 +212,8 @@ def check_divergence_steps(shape, steps, refs, data, t0, plans=None):
         extra = (torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes) / MiB
         scale = data.n_valid / data.n if name.startswith("step none") else 1.0
         ref = refs[beta]
-        err = [float((g.float() - want.float() * scale).norm() / (want.float() * scale).norm())
-               for g, want in ((dx, ref["dx"]["mean"]), (dw, ref["dw"]["mean"]))]
+        err = [float((g.float() - want).norm() / want.norm())
+               for g, want in ((dx, ref["dx"]["mean"].float() * scale), (dw, ref["dw"]["mean"].float() * scale))]
         checks[name] = dict(dx=err[0], dw=err[1], extra_mib=extra, **({"plan": plans[name]} if plans else {}))
         print(f"[{time.perf_counter() - t0:5.0f}s] {shape} {name}{' ' + plans[name] if plans else ''}: "
               f"dx {err[0]:.1e} dw {err[1]:.1e} extra {extra:.0f} MiB", flush=True)

@@ -49,6 +49,12 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, transposed: b
     return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
 
 
+def _output_tiles(a: torch.Tensor, b: torch.Tensor) -> int:
+    """``matmul``'s output tiles for a @ b (its config's block_m x block_p)."""
+    cfg = configs.matmul_config(a.dtype)
+    return triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
+
+
 def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``matmul``'s output (one program a tile, the whole K reduction in each) has fewer tiles
     than half the GPU's SMs: most of the one wave idle behind long K loops. The chunked path's
@@ -56,9 +62,7 @@ def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
     128 x 256 for 132 SMs, 106 ms against 88 on cuBLAS). Never on the interpreter."""
     if a.device.type != "cuda":
         return False
-    cfg = configs.matmul_config(a.dtype)
-    tiles = triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
-    return 2 * tiles < device.sm_count(a.device)
+    return 2 * _output_tiles(a, b) < device.sm_count(a.device)
 
 
 def fills_one_wave(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -67,8 +71,7 @@ def fills_one_wave(a: torch.Tensor, b: torch.Tensor) -> bool:
     K = 128256) otherwise takes cuBLAS, which splits the K reduction."""
     if a.device.type != "cuda":
         return True
-    cfg = configs.matmul_config(a.dtype)
-    return triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p) >= device.sm_count(a.device)
+    return _output_tiles(a, b) >= device.sm_count(a.device)
 
 
 # ``split_k``: each half of a split K reduction at least this many K steps (the fp32 partial's atomic
@@ -83,14 +86,13 @@ def split_k(a: torch.Tensor, b: torch.Tensor) -> int:
     of 132 SMs (87% full), 1152 are 8.7 (97%). Never on the interpreter."""
     if a.device.type != "cuda":
         return 1
-    cfg = configs.matmul_config(a.dtype)
-    tiles = triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
+    tiles = _output_tiles(a, b)
     sms = device.sm_count(a.device)
 
     def fill(t):
         return t / (triton.cdiv(t, sms) * sms)
 
-    long_k = triton.cdiv(a.shape[1], cfg.block_k) >= 2 * MIN_SPLIT_STEPS
+    long_k = triton.cdiv(a.shape[1], configs.matmul_config(a.dtype).block_k) >= 2 * MIN_SPLIT_STEPS
     return 2 if long_k and fill(2 * tiles) >= fill(tiles) + 0.05 else 1
 
 
