@@ -1,7 +1,7 @@
 """Host side of ``fused_linear_divergence``: chunks of rows, their four (or six) products, the row
 kernel between them, and the autograd.
 
-Per chunk of R rows (``plan_chunks``), the student's and the teacher's products ``h @ W.T`` go into
+Per chunk of R rows (``plan.plan_divergence_chunks``), the student's and the teacher's products ``h @ W.T`` go into
 two fp32 (R, V) buffers (cuBLAS with an fp32 output, ``products.accumulate``: fp32 accumulation,
 never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values and, when a
 gradient is formed, da in the input dtype. The gradient products run per group of M >= R rows:
@@ -35,39 +35,15 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from . import device, gemm, pairs, products
+from . import configs, device, gemm, pairs, products
 from .divergence_kernel import divergence_row_kernel
+from .plan import DivergenceChunks, plan_divergence_chunks
 from .validate import Options
 
-# The memory knob's default: one chunk's two fp32 (R, V) logit buffers and the (M, V) da of its
-# group (R x V x 8 + M x V x da's bytes; ``plan_chunks``). With bf16 grad_weight's 4-bit remainder
-# (V x H_s / 2 bytes, ``REMAINDER``) 794 MiB at D1 (8192 x 2048 x 151936): 7 groups of 1184 rows.
-DEFAULT_DIVERGENCE_BYTES = 640 << 20
 # The remainder of a bf16 grad_weight summed over several groups (``products.compensated``): 4 bits
 # (``pairs.compensation_buffer``: ~12 bits of each partial sum, against 2^-9 for the final bf16
 # rounding), half the int8 remainder's V x H_s bytes, spent on da's rows instead.
 REMAINDER = torch.uint8
-# Row counts at least this large are rounded down to whole multiples of ROW_ALIGN (tile-friendly).
-ROW_ALIGN = 16
-# The rows of a chunk whose da goes to a buffer of its own (``plan_chunks``): on the GPU a chunk's
-# logit products stream both weights once (2 x V x H bytes) for R x V x H products, so R sets their
-# arithmetic intensity; on the interpreter, a few rows (several chunks a group at the tests' sizes).
-GROUP_CHUNK_ROWS = 256
-INTERPRETED_GROUP_CHUNK_ROWS = 8
-
-
-@dataclass(frozen=True)
-class Chunks:
-    """How the rows go through the buffers: ``rows`` (R) a chunk of logits, ``group`` (M) the rows
-    whose gradient products run together; ``own_da``: da in an (M, V) buffer of its own (M > R),
-    else over the teacher's logit buffer (M = R)."""
-
-    rows: int
-    group: int
-
-    @property
-    def own_da(self) -> bool:
-        return self.group > self.rows
 
 
 @dataclass(frozen=True)
@@ -84,62 +60,6 @@ class Spec:
     @property
     def mode(self) -> int:
         return 0 if self.beta == 0 else 1 if self.beta == 1 else 2
-
-
-def _aligned(rows: int) -> int:
-    return rows // ROW_ALIGN * ROW_ALIGN if rows >= ROW_ALIGN else rows
-
-
-def chunk_rows(n: int, v: int, chunk_bytes: int | None) -> int:
-    """Rows per chunk with da over the teacher's buffer: as many as two fp32 (R, V) buffers within
-    ``chunk_bytes`` hold (default DEFAULT_DIVERGENCE_BYTES), at least 1, in multiples of ROW_ALIGN
-    from there on; all N when they fit."""
-    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
-    rows = max(1, budget // (8 * v))
-    return n if rows >= n else _aligned(rows)
-
-
-def plan_chunks(n: int, v: int, chunk_bytes: int | None, da_bytes: int | None = None) -> Chunks:
-    """The chunks and gradient groups within ``chunk_bytes``. Values only (``da_bytes`` None) or all
-    rows in one chunk: ``chunk_rows`` rows, da (if any) over the teacher's buffer. Else, with R =
-    ``GROUP_CHUNK_ROWS`` (at most what fits in place), the rest of the budget is da's own buffer, M
-    rows of ``da_bytes`` per class (all N rows when they fit, and then any budget left widens the
-    chunks): taken where M exceeds the in-place rows, so that fewer groups pay the gradient
-    products' fixed costs."""
-    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
-    in_place = chunk_rows(n, v, budget)
-    if da_bytes is None or in_place >= n:
-        return Chunks(in_place, in_place)
-    rows = min(INTERPRETED_GROUP_CHUNK_ROWS if device.interpreted() else GROUP_CHUNK_ROWS, in_place)
-    group = _aligned((budget - 8 * rows * v) // (da_bytes * v))
-    if group >= n:
-        group = n
-        rows = max(rows, min(n, _aligned((budget - da_bytes * n * v) // (8 * v))))
-    return Chunks(rows, group) if group > in_place else Chunks(in_place, in_place)
-
-
-# The row kernel on a GPU: one row a program, its vocabulary in blocks of BLOCK_V classes with
-# num_warps warps, by the programs each SM gets (``row_blocks``): (most programs an SM, BLOCK_V,
-# warps), the first that takes them. H200, bf16, the row kernel with da at D1 / D2 in chunks of 256,
-# 432 / 512 and 8192 rows (``benchmarks/experiments/experiment_distill_rows.py``): few rows a chunk
-# leave each SM one or two long programs, and larger blocks keep more bytes in flight (D1 beta = 1,
-# ms for all N rows: 256 rows 14.0 with 1024 / 4 against 7.0 with 4096 / 16; 432 rows 9.4 against
-# 7.1 with 2048 / 8; all rows 5.6 with 1024 / 4 against 5.4 / 6.2, and at beta = 0.5 8.9 against
-# 9.4 / 11.1).
-ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
-
-
-def row_blocks(r: int, v: int, where: torch.device) -> tuple[int, int, int]:
-    """The row kernel's (BLOCK_N, BLOCK_V, num_warps) for a chunk of ``r`` rows: on a GPU one row a
-    program (``ROW_LAUNCHES``); on the interpreter, whose cost is per operation, up to 32 rows of
-    256 classes (still several blocks a row, and of rows, at the tests' sizes), one warp."""
-    if device.interpreted():
-        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v)), 1
-    per_sm = r / device.sm_count(where)
-    for most, block_v, warps in ROW_LAUNCHES:
-        if most is None or per_sm <= most:
-            return 1, min(block_v, triton.next_power_of_2(v)), warps
-    raise AssertionError("ROW_LAUNCHES ends open")
 
 
 def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -160,7 +80,7 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
     log_b = math.log(beta) if beta > 0 else 0.0
     b_s, b_t = biases
     dummy = stats
-    rows, cols, warps = row_blocks(r, v, zs.device)
+    rows, cols, warps = configs.divergence_row_config(r, v, zs.device)
     divergence_row_kernel[(triton.cdiv(r, rows),)](
         zs, zt, da if da is not None else zt, b_s if b_s is not None else dummy, b_t if b_t is not None else dummy,
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
@@ -179,12 +99,12 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
 def _buffers(n: int, v: int, spec: Spec, where, da_dtype: torch.dtype | None):
     """(the plan, the two fp32 logit buffers, da's own buffer or None) for da in ``da_dtype`` (None:
     values only)."""
-    plan = plan_chunks(n, v, spec.chunk_bytes, None if da_dtype is None else da_dtype.itemsize)
+    plan = plan_divergence_chunks(n, v, spec.chunk_bytes, None if da_dtype is None else da_dtype.itemsize)
     zs, zt = (device.new((plan.rows, v), torch.float32, where) for _ in range(2))
     return plan, zs, zt, device.new((plan.group, v), da_dtype, where) if plan.own_da else None
 
 
-def _groups(n: int, plan: Chunks):
+def _groups(n: int, plan: DivergenceChunks):
     """(group slice, [chunk slices]) over the rows."""
     for g0 in range(0, n, plan.group):
         g1 = min(n, g0 + plan.group)
@@ -245,7 +165,7 @@ def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
         db += torch.sum(da, 0, dtype=torch.float32) * unscale  # summed in fp32, no fp32 copy of da
 
 
-def _sweep(student, teacher, plan: Chunks, buffers, dtype, launch, grads=None, unscale=None, lo=None):
+def _sweep(student, teacher, plan: DivergenceChunks, buffers, dtype, launch, grads=None, unscale=None, lo=None):
     """Every chunk's logits (the teacher's only when ``teacher`` is given) and row kernel
     (``launch(zs, zt, da, row0)``, da None without ``grads``), and with ``grads`` each group's
     gradient products (``_gradient_products``) once its chunks have written their da."""

@@ -13,17 +13,18 @@ the device can do is ``device.py``. Their public names are re-exported here, whe
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from . import device
 from .device import fp_fusion, input_precision, interpreted, sm_count, tma_hardware, tma_layout  # re-exported
 from .plan import (  # re-exported
-    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
+    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_DIVERGENCE_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
     vocab_splits,
 )
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_PAIRED_BYTES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "borrows_weight_grad", "candidates", "chunk_budget", "chunk_rows", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES", "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "borrows_weight_grad", "candidates", "chunk_budget", "chunk_rows", "divergence_row_config", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
     "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",
 ]
@@ -218,3 +219,28 @@ def matmul_config(dtype: torch.dtype, *, role: str = "product") -> MatmulConfig:
     if dtype == torch.float32:
         return _GPU_MATMUL_FP32
     return _GPU_MATMUL_PAIRED_ROWS if role == "paired_rows" else _GPU_MATMUL
+
+
+# The divergence's row kernel on a GPU (``divergence_kernel.py``): one row a program, its vocabulary
+# in blocks of BLOCK_V classes with num_warps warps, by the programs each SM gets
+# (``divergence_row_config``): (most programs an SM, BLOCK_V, warps), the first that takes them.
+# H200, bf16, the row kernel with da at D1 / D2 in chunks of 256, 432 / 512 and 8192 rows
+# (``benchmarks/experiments/experiment_distill_rows.py``): few rows a chunk leave each SM one or two
+# long programs, and larger blocks keep more bytes in flight (D1 beta = 1, ms for all N rows: 256
+# rows 14.0 with 1024 / 4 against 7.0 with 4096 / 16; 432 rows 9.4 against 7.1 with 2048 / 8; all
+# rows 5.6 with 1024 / 4 against 5.4 / 6.2, and at beta = 0.5 8.9 against 9.4 / 11.1).
+DIVERGENCE_ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
+
+
+def divergence_row_config(r: int, v: int, where: torch.device) -> tuple[int, int, int]:
+    """The divergence row kernel's (BLOCK_N, BLOCK_V, num_warps) for a chunk of ``r`` rows: on a GPU
+    one row a program (``DIVERGENCE_ROW_LAUNCHES``); on the interpreter, whose cost is per operation,
+    up to 32 rows of 256 classes (still several blocks a row, and of rows, at the tests' sizes), one
+    warp."""
+    if device.interpreted():
+        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v)), 1
+    per_sm = r / device.sm_count(where)
+    for most, block_v, warps in DIVERGENCE_ROW_LAUNCHES:
+        if most is None or per_sm <= most:
+            return 1, min(block_v, triton.next_power_of_2(v)), warps
+    raise AssertionError("DIVERGENCE_ROW_LAUNCHES ends open")
