@@ -36,7 +36,7 @@ import torch
 import triton
 
 from . import configs, device, gemm, pairs, products
-from .divergence_kernel import divergence_row_kernel
+from .divergence_kernel import FORWARD_KL, JSD, REVERSE_KL, divergence_row_kernel
 from .plan import DivergenceChunks, plan_divergence_chunks
 from .validate import Options
 
@@ -59,7 +59,9 @@ class Spec:
 
     @property
     def mode(self) -> int:
-        return 0 if self.beta == 0 else 1 if self.beta == 1 else 2
+        """The row kernel's MODE: the forward KL at beta = 0, the reverse KL at 1, else the JSD."""
+        mode = FORWARD_KL if self.beta == 0 else REVERSE_KL if self.beta == 1 else JSD
+        return mode.value
 
 
 def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
