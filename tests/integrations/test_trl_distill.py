@@ -117,6 +117,20 @@ def test_loss_edge_cases_match_trls():
             assert a.dtype == b.dtype and rel_err(a, b) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_loss_nothing_counted_over_zero_items_has_zero_gradients(dtype):
+    """A fully masked batch divided by num_items_in_batch=0 (a tensor, as the trainer passes it): the
+    loss is 0 / 0 = NaN, and every student gradient exactly 0 (``fused_linear_divergence``'s rule for
+    no counted row), not NaN."""
+    hs, ht, ws, wt, bs, bt, mask = _inputs(dtype, seed=6)
+    loss, entropy_sum, n_valid, grads = _run_loss(trl_distill.chunked_divergence_loss,
+                                                  (hs, ht, ws, wt, bs, bt, torch.zeros_like(mask)), 0.5,
+                                                  num_items_in_batch=torch.tensor(0))
+    assert torch.isnan(loss) and entropy_sum == 0 and n_valid == 0
+    for name, grad in zip(("hidden", "weight", "bias"), grads):
+        assert grad.dtype == dtype and (grad == 0).all(), name
+
+
 def _run_head(apply, inputs, beta, args):
     hs, ht, ws, wt, bs, bt, _ = inputs
     leaves = [t.reshape(-1, t.shape[-1]).clone().requires_grad_() if t.dim() == 3 else t.clone().requires_grad_()

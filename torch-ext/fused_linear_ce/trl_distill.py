@@ -12,6 +12,7 @@ does with the result).
 
 import torch
 
+from . import ops
 from .distill import fused_linear_divergence
 
 
@@ -109,12 +110,8 @@ def _loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, 
     h_t = teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1))
     if num_items_in_batch is None:
         divisor = n_valid.clamp(min=1)
-    elif isinstance(num_items_in_batch, torch.Tensor):
-        divisor = num_items_in_batch.to(h_s.device)
-    elif isinstance(num_items_in_batch, int):
-        divisor = num_items_in_batch
-    else:  # a float count: a fill, not a host-to-device copy
-        divisor = torch.full((), float(num_items_in_batch), device=h_s.device)
+    else:
+        divisor = ops.count_tensor(num_items_in_batch, h_s.device)
     if h_s.shape[0] == 0:  # no positions: TRL's empty sum, 0 with a graph to the student
         zero = student_lm_head_weight.sum().float() * 0 + h_s.sum().float() * 0
         return zero / divisor, zero.detach(), n_valid
