@@ -212,6 +212,20 @@ def test_contracts_and_use_in_trl_installs_and_restores(restore_trl, monkeypatch
     assert seen == [(budget, "sum"), (budget, "none"), (None, "sum")]
 
 
+
+def test_use_in_trl_takes_a_budget_per_head(restore_trl):
+    """``divergence_chunk_bytes`` is the distillation drop-ins' budget and ``chunk_bytes`` the LM head's,
+    each where it is given; the divergence's follows ``chunk_bytes`` only without its own."""
+    lm, div = 48 * V * 8, 24 * V * 8
+    fused_linear_ce.use_in_trl(chunk_bytes=lm, divergence_chunk_bytes=div)
+    assert trl_utils._ChunkedLogProbFunction.chunk_bytes == lm
+    assert trl_distillation.ChunkedDivergenceFunction.chunk_bytes == div
+    fused_linear_ce.use_in_trl(divergence_chunk_bytes=div)
+    assert trl_utils._ChunkedLogProbFunction is fused_linear_ce.ChunkedLogProbFunction  # the LM head's default
+    assert trl_distillation.ChunkedDivergenceFunction.chunk_bytes == div
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        fused_linear_ce.use_in_trl(divergence_chunk_bytes=0)
+
 # --- DistillationTrainer, end to end ------------------------------------------------------------------
 
 VOCAB = 64
