@@ -26,6 +26,7 @@ from trl.kernels.chunked_divergence import ChunkedDivergenceFunction as TheirHea
 
 import fused_linear_ce  # noqa: E402
 from fused_linear_ce import trl_distill  # noqa: E402
+from fused_linear_ce.plan import LOGIT_PAIR_BYTES  # noqa: E402
 
 THEIR_LOSS = trl_distillation._chunked_divergence_loss
 N, HS, HT, V = (40, 32, 48, 300)
@@ -192,7 +193,7 @@ def test_contracts_and_use_in_trl_installs_and_restores(restore_trl, monkeypatch
     replaced.restore()
     assert {name: getattr(trl_distillation, name) for name in originals} == originals
     assert trl_utils._ChunkedLogProbFunction is replaced["trl.trainer.utils._ChunkedLogProbFunction"]
-    budget = 24 * V * 8
+    budget = 24 * V * LOGIT_PAIR_BYTES  # 24 rows of the divergence's two fp32 logit rows
     fused_linear_ce.use_in_trl(chunk_bytes=budget)
     head, loss = trl_distillation.ChunkedDivergenceFunction, trl_distillation._chunked_divergence_loss
     assert head.chunk_bytes == budget
@@ -216,7 +217,7 @@ def test_contracts_and_use_in_trl_installs_and_restores(restore_trl, monkeypatch
 def test_use_in_trl_takes_a_budget_per_head(restore_trl):
     """``divergence_chunk_bytes`` is the distillation drop-ins' budget and ``chunk_bytes`` the LM head's,
     each where it is given; the divergence's follows ``chunk_bytes`` only without its own."""
-    lm, div = 48 * V * 8, 24 * V * 8
+    lm, div = 48 * V * LOGIT_PAIR_BYTES, 24 * V * LOGIT_PAIR_BYTES
     fused_linear_ce.use_in_trl(chunk_bytes=lm, divergence_chunk_bytes=div)
     assert trl_utils._ChunkedLogProbFunction.chunk_bytes == lm
     assert trl_distillation.ChunkedDivergenceFunction.chunk_bytes == div
