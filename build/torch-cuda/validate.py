@@ -96,22 +96,26 @@ def check_process_group(group) -> None:
                         f"dist.new_group(...)), got {type(group).__name__}")
 
 
-def _dtensor_error(name: str, t) -> None:
-    """DTensors (FSDP2's sharded parameters, tensor parallelism) are refused with what to pass."""
+def _dtensor_error(name: str, t, vocab_parallel: bool = True) -> None:
+    """DTensors (FSDP2's sharded parameters, tensor parallelism) are refused with what to pass;
+    ``vocab_parallel``: the function takes a vocabulary shard and its ``process_group`` (the loss, the
+    per-token function), else the whole vocabulary only (the divergence)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
         return
-    if isinstance(t, DTensor):
-        raise TypeError(
-            f"{name} is a DTensor (placements {tuple(t.placements)}): the kernel takes plain tensors. "
-            "Under FSDP2, call the loss inside the forward of the FSDP module that owns the weight, where "
-            "its parameters are unsharded plain tensors (e.g. through layers.ForCausalLMLoss from the "
-            "model's forward). For a vocabulary sharded over a tensor-parallel mesh dimension (Shard(0)) "
-            "with the same hidden on every rank, pass weight.to_local() and "
-            "process_group=mesh.get_group(dim). Calling .full_tensor() yourself gives the full weight, "
-            "but its gradient then skips FSDP's reduction across data-parallel ranks."
-        )
+    if not isinstance(t, DTensor):
+        return
+    sharded = ("For a vocabulary sharded over a tensor-parallel mesh dimension (Shard(0)) with the same hidden on "
+               "every rank, pass weight.to_local() and process_group=mesh.get_group(dim). " if vocab_parallel else
+               "This function takes the whole vocabulary (no process_group); ")
+    raise TypeError(
+        f"{name} is a DTensor (placements {tuple(t.placements)}): the kernel takes plain tensors. "
+        "Under FSDP2, call the loss inside the forward of the FSDP module that owns the weight, where "
+        "its parameters are unsharded plain tensors (e.g. through layers.ForCausalLMLoss from the "
+        f"model's forward). {sharded}Calling .full_tensor() yourself gives the full weight, "
+        "but its gradient then skips FSDP's reduction across data-parallel ranks."
+    )
 
 
 def is_master_weight(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
@@ -120,12 +124,14 @@ def is_master_weight(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> bo
     return weight_dtype == torch.float32 and hidden_dtype in (torch.bfloat16, torch.float16)
 
 
-def check_head(hidden, weight, bias, prefix: str = "", master_weight: bool = False) -> None:
+def check_head(hidden, weight, bias, prefix: str = "", master_weight: bool = False,
+               vocab_parallel: bool = True) -> None:
     """One LM head's ``hidden`` (..., H), ``weight`` (V, H) and ``bias`` (V,) or None, named
     ``prefix`` + "hidden" etc. in the messages: tensors (DTensors refused with what to pass), shapes,
     a supported dtype shared by all three. ``master_weight``: an fp32 weight is accepted with 16-bit
     hidden states (under ``torch.autocast``, where the op casts it itself and returns its gradient in
-    fp32). The loss's, the per-token function's and each model's of the divergence."""
+    fp32). ``vocab_parallel``: the DTensor message names the vocabulary-parallel way (``_dtensor_error``).
+    The loss's, the per-token function's and each model's of the divergence."""
     names = (f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias")
     for name, t in zip(names[:2], (hidden, weight)):
         if not isinstance(t, torch.Tensor):
@@ -133,7 +139,7 @@ def check_head(hidden, weight, bias, prefix: str = "", master_weight: bool = Fal
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"{names[2]} must be a torch.Tensor or None, got {type(bias).__name__}")
     for name, t in zip(names, (hidden, weight, bias)):
-        _dtensor_error(name, t)
+        _dtensor_error(name, t, vocab_parallel)
     if hidden.ndim < 2:
         raise ValueError(f"{names[0]} must be (N, H) or (..., H), got shape {tuple(hidden.shape)}")
     if weight.ndim != 2:

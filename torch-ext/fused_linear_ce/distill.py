@@ -148,8 +148,8 @@ def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master=False) -> None:
     """Each model's head (``validate.check_head``; ``master``: an fp32 student weight under a 16-bit
     autocast, cast inside the op), one vocabulary, one row shape and one dtype for both, the targets
     and the mask, one device."""
-    check_head(hs, ws, bs, "student_", master_weight=master)
-    check_head(ht, wt, bt, "teacher_")
+    check_head(hs, ws, bs, "student_", master_weight=master, vocab_parallel=False)
+    check_head(ht, wt, bt, "teacher_", vocab_parallel=False)
     if ws.shape[0] != wt.shape[0]:
         raise ValueError(f"vocabulary mismatch: student_weight has V={ws.shape[0]} rows, teacher_weight "
                          f"V={wt.shape[0]}")
