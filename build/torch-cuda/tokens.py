@@ -228,7 +228,7 @@ def token_backward_chunked(
     coef, common = coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
     unscale = common.reshape(1)
     if dtype == torch.float16:
-        coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales()[3], v_total)
+        coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales().grad_scale, v_total)
     cfg = configs.tiles("chunked", dtype, h)
     stats = sweep.RowStats(row[:2], row[2], None, None, None, None)
     block_n = chunked.gradient_rows(cfg, coef.shape[0] > 3)  # the rows of its bias partial sums

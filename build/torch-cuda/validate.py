@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -9,6 +10,15 @@ from .device import interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
+
+
+class KernelScales(NamedTuple):
+    """The logit kernels' float arguments for one head (``Options.kernel_scales``)."""
+
+    tile_scale: float
+    softcap: float
+    softcap_out: float
+    grad_scale: float
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,7 @@ class Options:
     temperature: float = 1.0  # the logits are divided by it after the softcap (per-token outputs)
     outputs: tuple = ()  # the per-token fields wanted (``tokens.FIELDS``); () for the loss
 
-    def kernel_scales(self) -> tuple[float, float, float, float]:
+    def kernel_scales(self) -> KernelScales:
         """(tile scale, softcap, softcap out, gradient scale): the kernels' float arguments, with the
         temperature folded in (``logits.py``): ``z = softcap_out * tanh(a * tile_scale / softcap)``
         or ``a * tile_scale``, and ``da = dz * gradient_scale * softcap'``. At temperature 1 they are
@@ -36,11 +46,11 @@ class Options:
         t = self.temperature
         if self.softcap is None:
             scale = self.logit_scale / t if t != 1.0 else self.logit_scale
-            return float(scale), 1.0, 1.0, float(scale)
+            return KernelScales(float(scale), 1.0, 1.0, float(scale))
         cap = float(self.softcap)
         out = cap / t if t != 1.0 else cap
         chain = self.logit_scale / t if t != 1.0 else self.logit_scale
-        return float(self.logit_scale), cap, float(out), float(chain)
+        return KernelScales(float(self.logit_scale), cap, float(out), float(chain))
 
 
 STRATEGIES = ("auto", "recompute", "chunked")

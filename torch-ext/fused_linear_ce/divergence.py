@@ -84,9 +84,11 @@ def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spec: Spec, *, values: bool,
             write_da: bool, stats_known: bool, dtype, div_grad: bool = True):
+    """The row kernel over a chunk's logit buffers ``zs`` / ``zt`` (rows ``row0`` on of ``n``), its
+    passes chosen by the flags (``divergence_kernel.divergence_row_kernel``); ``stats`` stands in for
+    the pointers not read."""
     r, v = zs.shape
-    scale_s, cap_s, cap_out_s, chain_s = spec.student.kernel_scales()
-    scale_t, cap_t, cap_out_t, _ = spec.teacher.kernel_scales()
+    s, t = spec.student.kernel_scales(), spec.teacher.kernel_scales()
     beta = float(spec.beta)
     log_a = math.log1p(-beta) if beta < 1 else 0.0
     log_b = math.log(beta) if beta > 0 else 0.0
@@ -98,7 +100,8 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
         out if out is not None else dummy, row0, r, v, n, zs.stride(0), zt.stride(0),
         da.stride(0) if da is not None else 0, targets.stride(0) if targets is not None else 0,
-        scale_s, cap_s, cap_out_s, chain_s, scale_t, cap_t, cap_out_t, beta, 1.0 - beta, log_a, log_b,
+        s.tile_scale, s.softcap, s.softcap_out, s.grad_scale, t.tile_scale, t.softcap, t.softcap_out,
+        beta, 1.0 - beta, log_a, log_b,
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
