@@ -3,7 +3,7 @@
 kernels 0.19 moved its modules under `kernels._internals` (0.17.2: `kernels.resolver`,
 `kernels._versions`, `kernels.cli.*`); the public loader API (`get_kernel`, `get_local_kernel`,
 `Metadata`, ...) is the same in both. The tests run under the declared minimum (requirements-test.txt)
-and under the newest release (scripts/test_kernels_versions.sh); this module is the one place that
+and under the newest release (scripts/test_kernels_newest.sh); this module is the one place that
 knows where each internal lives.
 """
 
