@@ -30,6 +30,11 @@ HAS_DESCRIBE_API = VERSION >= (0, 19)
 LOCAL_CHECK_ARCH = "check_arch" in inspect.signature(get_local_kernel).parameters
 
 
+def cli_main():
+    """The `kernels` command's entry point (reads sys.argv), for running a verb in-process."""
+    return importlib.import_module(f"{_INTERNALS}.cli").main
+
+
 def benchmark_cli():
     """kernels' benchmark CLI module; it imports sigstore (and cryptography), absent on some machines."""
     return importlib.import_module(f"{_INTERNALS}.cli.benchmark")

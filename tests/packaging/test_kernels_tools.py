@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 from hub_offline import load_script
 from kernels import Metadata, get_kernel, get_local_kernel
-from kernels_api import HAS_DESCRIBE_API, KERNELS_CLI, LOCAL_CHECK_ARCH
+from kernels_api import HAS_DESCRIBE_API, KERNELS_CLI, LOCAL_CHECK_ARCH, cli_main
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANT = REPO / "build" / "torch-cuda"
@@ -106,6 +107,19 @@ def test_kernels_describe_api_lists_functions_and_layers(tmp_path):
     for layer in info["layers"]:
         assert set(layer["attributes"]) == {"has_backward", "can_torch_compile"}
         assert all(isinstance(v, bool) for v in layer["attributes"].values())
+
+
+def test_kernels_info_of_the_clone_shows_minver_upstream_and_source(gpu, monkeypatch, capsys):
+    """`kernels info .` in a clone, as on a CUDA machine (simulated sm_90): the metadata users see."""
+    gpu((9, 0))
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", ["kernels", "info", ".", "--json"])
+    cli_main()()
+    info = json.loads(capsys.readouterr().out)
+    expected = {"name": META["name"], "version": META["version"], "kernels_minver": META["kernels-minver"],
+                "upstream": META["upstream"], "source": META["source"], "backends": ["cuda"]}
+    assert {key: info.get(key) for key in expected} == expected
+    assert info.get("variant", "torch-cuda") == "torch-cuda"  # 0.19 names the variant it resolved
 
 
 # --- the architecture check --------------------------------------------------------------------------
