@@ -22,7 +22,8 @@ except ImportError as e:  # pragma: no cover - CI installs them
 import fused_linear_ce
 from conftest import DEVICE, ON_GPU, REPO
 
-pytestmark = pytest.mark.skipif(bool(cli.MISSING_DEPS), reason=f"`kernels benchmark` lacks {cli.MISSING_DEPS}")
+# The CLI itself refuses to run without its `benchmark` extra (tabulate, ...).
+needs_cli_deps = pytest.mark.skipif(bool(cli.MISSING_DEPS), reason=f"`kernels benchmark` lacks {cli.MISSING_DEPS}")
 
 
 def test_the_cli_discovers_and_runs_every_workload():
@@ -40,6 +41,7 @@ def test_the_cli_discovers_and_runs_every_workload():
         torch.testing.assert_close(bench.out, getattr(bench, f"verify_{name}")(), rtol=1e-4, atol=1e-4)
 
 
+@needs_cli_deps
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the test below runs the repo itself")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run needs TRITON_INTERPRET=1")
 def test_kernels_benchmark_cli_on_the_cpu(tmp_path):
@@ -67,6 +69,7 @@ def test_kernels_benchmark_cli_on_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
+@needs_cli_deps
 @pytest.mark.skipif(not ON_GPU, reason="`kernels benchmark` loads the cuda variant from the repo root")
 def test_kernels_benchmark_cli_on_the_repo():
     out = subprocess.run([*KERNELS_CLI, "benchmark", str(REPO), "--iterations", "3", "--warmup", "1"],
