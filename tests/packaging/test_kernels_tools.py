@@ -4,7 +4,7 @@
   `__all__` and `layers.__all__` (scripts/symbols.py), in kernel-builder's schema.
 * The architecture check: 0.19's loaders (and 0.17's get_kernel) refuse a GPU whose compute capability
   `metadata.json`'s `backend.archs` does not cover, unless `check_arch=False`. Each load users make is
-  tried at sm_80 through sm_120 on a simulated CUDA machine (torch reports a CUDA build, a GPU and the
+  tried at sm_80 through sm_120 and at each declared arch on a simulated CUDA machine (torch reports a CUDA build, a GPU and the
   capability; kernels' variant resolution and validators then run as on that GPU; nothing launches).
 """
 
@@ -165,8 +165,13 @@ def _loads(folder: Path, monkeypatch, **check):
             lambda: get_kernel(HUB_REPO_ID, version=META["version"], **check)]
 
 
+def declared_capabilities(archs: list[str]) -> set[tuple[int, int]]:
+    return {(int(m[1]), int(m[2])) for m in (re.match(r"(\d+)\.(\d+)", a) for a in archs or []) if m}
+
+
 def _assert_arch_policy(folder: Path, archs, gpu, monkeypatch):
-    for capability in CAPABILITIES:
+    """Each capability of CAPABILITIES and each declared one: loads when covered (or unchecked)."""
+    for capability in sorted(set(CAPABILITIES) | declared_capabilities(archs)):
         gpu(capability)
         for n, load in enumerate(_loads(folder, monkeypatch)):
             checked = n == 2 or LOCAL_CHECK_ARCH  # 0.17's get_local_kernel has no arch check
@@ -186,11 +191,11 @@ def test_every_load_at_every_gpu_with_the_arch_check_on(gpu, monkeypatch):
 
 
 def test_declared_archs_refuse_other_gpus(tmp_path, gpu, monkeypatch):
-    """The same policy on a copy whose metadata declares two archs (the digest leaves metadata.json
-    out, so the copy stays valid): sm_80/86/89 and sm_90 load, sm_100 and sm_120 are refused."""
+    """The same policy on a copy whose metadata declares three archs (the digest leaves metadata.json
+    out, so the copy stays valid): sm_75, sm_80/86/89 and sm_90 load, sm_100 and sm_120 are refused."""
     clone = tmp_path / "clone"
     shutil.copytree(VARIANT, clone / "build" / "torch-cuda", ignore=shutil.ignore_patterns("__pycache__"))
-    meta = dict(META, backend={**META["backend"], "archs": ["8.0", "9.0"]})
+    meta = dict(META, backend={**META["backend"], "archs": ["8.0", "9.0a", "7.5"]})
     for path in (clone / "metadata.json", clone / "build" / "torch-cuda" / "metadata.json"):
         path.write_bytes(sync_build.render_metadata(meta))
     assert [covers(meta["backend"]["archs"], c) for c in CAPABILITIES] == [True] * 4 + [False] * 2
