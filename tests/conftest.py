@@ -106,6 +106,7 @@ GPU_SECONDS = {
     "test_inputs.py": 15,  # measured 10 (estimate was 30); mostly validation errors before any kernel
     "test_integration.py": 25,  # measured 24 (estimate was 100); torch.compile training steps, opcheck, CUDA graphs
     "test_kernels_benchmark.py": 40,
+    "test_kernels_tools.py": 10,  # estimate; loads at six simulated capabilities, one describe-api subprocess
     "test_layout.py": 15,  # measured 12 (estimate was 20)
     "test_loader.py": 15,
     "test_logprobs.py": 160,  # measured 156 (estimate was 60); 33 per-token tests, two torch.compile runs
