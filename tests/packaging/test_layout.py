@@ -158,14 +158,15 @@ def test_build_toml_and_metadata_agree(metadata_path):
 
 def test_minver_upstream_and_source(metadata_path):
     """What `kernels info` (0.19) shows: the oldest kernels the tests run under (the requirements pin,
-    kernels' MinverValidator refuses older ones), and the project's git repository as both the upstream
-    and the kernel-builder source (build.toml's [general] keys, which kernel-builder copies over)."""
+    kernels' MinverValidator refuses older ones), and the project's public home (the Hub repo, whose
+    branches hold the sources the loader runs) as both the upstream and the kernel-builder source
+    (build.toml's [general] keys, which kernel-builder copies over)."""
     meta = Metadata.read_from_file(metadata_path)
     pins = re.findall(r"^kernels==([0-9.]+)$", (REPO / "requirements-test.txt").read_text(), re.M)
     assert pins and str(meta.kernels_minver) == pins[0]
     general = _build_toml()["general"]
     assert meta.upstream == meta.source == general["upstream"] == general["source"]
-    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", meta.source)
+    assert meta.source == f"https://huggingface.co/{general['hub']['repo-id']}"
 
 
 def test_python_depends_is_empty(metadata_path):
