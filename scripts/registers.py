@@ -75,13 +75,14 @@ def family(arch: int) -> str:
     return name
 
 
-def cases(arch: int = 90) -> list[Case]:
-    """Every configuration the package launches on sm_<arch>: its family's tiles, TMA from sm_90 on."""
+def cases(arch: int = 90, tables: str | None = None) -> list[Case]:
+    """Every configuration the package launches on sm_<arch>: its family's tiles (``tables``: another
+    family's, to compare), TMA from sm_90 on."""
     import torch
 
     from fused_linear_ce import configs
 
-    fam = family(arch)
+    fam = tables or family(arch)
     tma = arch >= 90
     bf16 = torch.bfloat16
     sweep, chunked = configs.family_tiles("sweep", bf16, None, fam), configs.family_tiles("chunked", bf16, None, fam)
@@ -150,9 +151,11 @@ def cases(arch: int = 90) -> list[Case]:
         e_block = (cfg.block_v, cfg.block_n) if extra.get("E_T") else (cfg.block_n, cfg.block_v)
         return Case(name, "lse_sweep_kernel", "sweep_kernels",
                     dict(forward, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_V=False,
-                         STORE_E=True, E_TMA=tma, GROUP_M=cfg.group_m, **extra),
+                         STORE_E=True, GROUP_M=cfg.group_m, **extra,
+                         E_TMA=tma and (not extra.get("E_T") or configs.transposed_store_tma(fam))),
                     d(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h),
-                      e_desc=e_block), cfg.num_warps, cfg.num_stages,
+                      **({} if extra.get("E_T") and not configs.transposed_store_tma(fam) else dict(e_desc=e_block))),
+                    cfg.num_warps, cfg.num_stages,
                     unit_strides=("stride_e",) if extra.get("E_T") else ("stride_ev",))
 
     def sweep_case(name, **extra):
@@ -207,7 +210,8 @@ def cases(arch: int = 90) -> list[Case]:
             gradient("chunked gradient, entropy gradient, the sweep's rows", entropy_grad=True, bias_grad=False,
                      rows=chunked.block_n, warps=8),
             mm_case("matmul, da^T, compensated, pointers", comp,
-                    dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False), a_t_descs),
+                    dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
+                    d(a_desc=(comp.block_k, comp.block_m), b_desc=(comp.block_k, comp.block_p))),
         ]
     return out + fp32_cases() + divergence_cases(fam)
 
@@ -396,6 +400,19 @@ def compile_all(chosen: list[Case], arch: int) -> list[dict]:
     return rows
 
 
+def unit_strides(case: Case) -> tuple:
+    """The strides that are 1 at every launch at the package's layouts (contiguous rows of hidden,
+    weight, bias and targets; the matmul's operands as ``gemm.matmul`` gets them: da, or da^T read by
+    columns, times hidden or weight, into a contiguous result), which Triton specialises: the pointer
+    loads below sm_90 vectorise on them (without, 16-bit loads one element at a time, and 4-5 KB of
+    stack on sm_80)."""
+    if case.kernel in ("lse_sweep_kernel", "dlogits_kernel"):
+        return ("stride_hh", "stride_wh", "stride_b", "stride_t")
+    if case.kernel == "matmul_kernel":
+        return ("stride_am" if case.constexprs.get("A_T") else "stride_ak", "stride_bp", "stride_cp")
+    return ("stride_t",)
+
+
 def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
     """{registers, stack, shared} of ``case`` compiled for sm_<arch>."""
     import importlib
@@ -408,7 +425,7 @@ def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
 
     fn = getattr(importlib.import_module(f"fused_linear_ce.{case.module}"), case.kernel)
     # A launch specialises an integer argument of 1 into a constant: the buffers' unit strides.
-    units = {arg: 1 for arg in case.unit_strides if arg in fn.arg_names}
+    units = {arg: 1 for arg in case.unit_strides + unit_strides(case) if arg in fn.arg_names}
     case = dataclasses.replace(case, constexprs={**units, **case.constexprs})
     signature = _signature(fn, case)
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
@@ -440,8 +457,10 @@ ARCHS = (80, 86, 89, 90, 100, 103, 120)  # the portability matrix (tests/kernel/
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--arch", type=int, default=90, metavar="SM",
-                    help=f"compile for sm_<SM> (the matrix: {', '.join(map(str, ARCHS))}); default 90")
+    ap.add_argument("--arch", type=int, nargs="+", default=[90], metavar="SM",
+                    help=f"compile for sm_<SM>, one or more (the matrix: {', '.join(map(str, ARCHS))}); default 90")
+    ap.add_argument("--tables", metavar="FAMILY", help="compile this family's tables (configs.FAMILY_TABLES) "
+                    "instead of the architecture's own, e.g. --arch 80 --tables sm90 for what sm_90's would do there")
     ap.add_argument("--matmul", nargs="+", metavar="BM,BP,BK,GM,WARPS,STAGES",
                     help="instead of the shipped kernels: the matmul's uses at these candidate configs")
     ap.add_argument("--unaligned", action="store_true",
@@ -450,19 +469,22 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("registers.py compiles for a GPU target: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    if args.matmul:
-        chosen = [c for spec in args.matmul for c in matmul_cases(spec, args.arch)]
-    else:
-        chosen = cases(args.arch) + (pingpong_cases() if args.arch == 90 else [])
-    if args.unaligned:
-        chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
-    rows = compile_all(chosen, args.arch)
+    rows = []
+    for arch in args.arch:
+        if args.matmul:
+            chosen = [c for spec in args.matmul for c in matmul_cases(spec, arch)]
+        else:
+            chosen = cases(arch, args.tables) + (pingpong_cases() if arch == 90 else [])
+        if args.unaligned:
+            chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
+        rows += compile_all(chosen, arch)
     if args.json:
         print(json.dumps(rows))
-    else:
-        width = max(len(r["name"]) for r in rows)
-        print(f"{f'kernel (sm_{args.arch})':{width}s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}  config")
-        for r in rows:
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for arch in args.arch:
+        print(f"{f'kernel (sm_{arch})':{width}s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}  config")
+        for r in (r for r in rows if r["arch"] == arch):
             if "error" in r:
                 print(f"{r['name']:{width}s} {r['error']}")
             else:

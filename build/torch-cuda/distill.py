@@ -4,7 +4,7 @@
 import torch
 
 from .api import _autocast
-from .device import interpreted
+from .device import check_dtype, interpreted
 from . import divergence_ops
 from .divergence import Spec
 from .validate import (INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes,
@@ -177,6 +177,7 @@ def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master=False) -> None:
                          f"teacher_hidden's {tuple(ht.shape[:-1])}")
     if hs.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"student_hidden dtype {hs.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    check_dtype(hs.dtype, hs.device)
     floats = [(name, t) for name, t in (*named, ("student_bias", bs), ("teacher_bias", bt)) if t is not None]
     for name, t in floats:
         if t.dtype != hs.dtype and not (master and t is ws):

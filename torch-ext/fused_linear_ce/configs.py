@@ -24,7 +24,7 @@ from .plan import (  # re-exported
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
     "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES", "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "FAMILY_TABLES", "MATMUL_ROLES", "borrows_weight_grad", "candidates", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
+    "FAMILY_TABLES", "MATMUL_ROLES", "borrows_weight_grad", "candidates", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "transposed_store_tma", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
     "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",
 ]
@@ -148,8 +148,43 @@ _TUNED = {
 # for the exact shape there, and benchmarks/NOTES.md has the compile figures.
 # Below sm_90 there is no TMA (``device.tma_hardware``): pointer loads, mma.sync, and an epilogue
 # whose 2-D tiles of pointers cost registers the descriptors did not.
+# sm80 (A100: 163 KB a block, no TMA): 128 x 128 logit tiles with 8 warps (128 x 256 spill 0.9 KB
+# with pointer loads), 4 stages in the sweep; the chunked sweep 128 x 64 with 4 warps (128 x 128
+# spilled 320 bytes with the metrics, 64 x 256 360); every product 128 x 128 with 8 warps (the pair's
+# pointer epilogue at 128 x 256 spilled 3.3 KB, 48 bytes here).
+_SM80_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=4)
+_SM80_CHUNKED = TileConfig(block_n=128, block_v=64, block_h=64, group_m=16, num_warps=4, num_stages=3, tma=False)
+_SM80_DLOGITS = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM80_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# sm86 (A10G, L4, RTX 3090 / 4090, L40S: 99 KB a block, no TMA): sm80's tiles with 3 stages.
+_SM86_SWEEP = replace(_SM80_SWEEP, num_stages=3)
+# sm100 (B200, B300: 227 KB, TMA, tcgen05): sm90's tables but for the chunked sweep, 128 x 128 with
+# 8 warps (sm90's 128 x 256 spill 1.1 KB with a softcap and a bias), and the sums into a pair,
+# 128 x 128 (0.5-0.6 KB at 128 x 256). Its class-major buffer (hosted in grad_weight) is stored through
+# pointers (``transposed_store_tma``): the transposed tile through a descriptor fails to compile
+# there at every tile tried (Triton 3.6's TMEM layout pass, ``PassManager::run failed``); by pointers
+# 0 bytes of stack.
+_SM100_CHUNKED = TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=8, num_stages=3)
+_SM100_PAIR = replace(_GPU_MATMUL_PAIRED_ROWS)
+# sm120 (RTX 5090, RTX PRO 6000: 99 KB a block, TMA, mma.sync): 128 x 128 tiles with 8 warps
+# everywhere (sm90's chunked sweep needs 160 KB, its fp32 sums 128 KB).
+_SM120_TILES = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM120_CHUNKED = replace(_SM120_TILES, group_m=16)
+_SM120_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True,
+                             split_pair=True)
 FAMILY_TABLES = {
+    "sm80": dict(tuned={"sweep": ((None, "_SM80_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
+                        "dlogits": ((None, "_SM80_DLOGITS"),)},
+                 matmul="_SM80_MATMUL", paired_rows="_SM80_MATMUL"),
+    "sm86": dict(tuned={"sweep": ((None, "_SM86_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
+                        "dlogits": ((None, "_SM80_DLOGITS"),)},
+                 matmul="_SM80_MATMUL", paired_rows="_SM80_MATMUL"),
     "sm90": dict(tuned=_TUNED, matmul="_GPU_MATMUL", paired_rows="_GPU_MATMUL_PAIRED_ROWS"),
+    "sm100": dict(tuned=dict(_TUNED, chunked=((None, "_SM100_CHUNKED"),)), matmul="_GPU_MATMUL",
+                  paired_rows="_GPU_MATMUL_PAIRED_ROWS", compensated="_SM100_PAIR", transposed_store_tma=False),
+    "sm120": dict(tuned={"sweep": ((None, "_SM120_TILES"),), "chunked": ((None, "_SM120_CHUNKED"),),
+                         "dlogits": ((None, "_SM120_TILES"),)},
+                  matmul="_SM120_MATMUL", paired_rows="_SM120_MATMUL"),
 }
 ROLES = tuple(_TUNED)
 
@@ -270,6 +305,12 @@ def matmul_config(dtype: torch.dtype, *, role: str = "product", where=None) -> M
 # rows 14.0 with 1024 / 4 against 7.0 with 4096 / 16; 432 rows 9.4 against 7.1 with 2048 / 8; all
 # rows 5.6 with 1024 / 4 against 5.4 / 6.2, and at beta = 0.5 8.9 against 9.4 / 11.1).
 DIVERGENCE_ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
+
+
+def transposed_store_tma(where) -> bool:
+    """Whether the chunked sweep stores a class-major buffer's transposed tiles through a TMA
+    descriptor on ``where``'s family (``family``), else through pointers."""
+    return FAMILY_TABLES[family(where)].get("transposed_store_tma", True)
 
 
 def divergence_launches(name: str) -> tuple:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import interpreted
+from .device import check_dtype, interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -185,6 +185,7 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
         )
     if device.type not in ("cuda", "cpu"):
         raise RuntimeError(f"unsupported device {device}: this kernel runs on CUDA GPUs")
+    check_dtype(hidden.dtype, device)
     check_options(opts)
     check_num_items(num_items_in_batch, opts.reduction)
 
