@@ -160,3 +160,19 @@ def test_each_family_tiles_compute_the_loss_in_the_interpreter(monkeypatch, fam,
     monkeypatch.setattr(configs, "_CPU_SWEEP", sweep_cfg)
     monkeypatch.setattr(configs, "_CPU_MATMUL", configs.family_matmul(bf16, "product", fam))
     check_three_way(Case(130, 64, 300, bf16, "mean", extra=dict(strategy=strategy)))
+
+
+def test_the_cublas_route_follows_the_family_tiles(monkeypatch):
+    """``products.product`` sends a 16-bit product to cuBLAS where ``gemm.matmul``'s output has fewer
+    tiles than half the SMs (``gemm.few_tiles``): counted in the family's tiles, so the same chunk's
+    grad_hidden (256 rows by H = 4096) takes cuBLAS on an H100 (32 tiles of 128 x 256 for 132 SMs) and
+    the Triton matmul on an A100 (64 tiles of 128 x 128 for 108 SMs)."""
+    from fused_linear_ce import gemm
+
+    def few(name, m, p):
+        mock_gpu(monkeypatch, name)
+        return 2 * gemm.output_tiles(m, p, torch.bfloat16, CUDA) < device.sm_count(CUDA)
+
+    assert few("H100", 256, 4096) and not few("A100", 256, 4096)
+    assert few("RTX 5090", 256, 4096)  # 64 tiles of 128 x 128 for 170 SMs
+    assert not few("H100", 8192, 4096)

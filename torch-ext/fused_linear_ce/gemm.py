@@ -49,10 +49,16 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, transposed: b
     return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
 
 
+def output_tiles(m: int, p: int, dtype: torch.dtype, where: torch.device) -> int:
+    """``matmul``'s output tiles for an (m, p) result on ``where`` (its family's config's block_m x
+    block_p: the same product has more tiles where the family's tiles are smaller)."""
+    cfg = configs.matmul_config(dtype, where=where)
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p)
+
+
 def _output_tiles(a: torch.Tensor, b: torch.Tensor) -> int:
-    """``matmul``'s output tiles for a @ b (its config's block_m x block_p)."""
-    cfg = configs.matmul_config(a.dtype, where=a.device)
-    return triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
+    """``matmul``'s output tiles for a @ b."""
+    return output_tiles(a.shape[0], b.shape[1], a.dtype, a.device)
 
 
 def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
