@@ -24,7 +24,7 @@ from .plan import (  # re-exported
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
     "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES", "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "FAMILY_TABLES", "MATMUL_ROLES", "borrows_weight_grad", "candidates", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "transposed_store_tma", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
+    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad", "candidates", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
     "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",
 ]
@@ -148,23 +148,23 @@ _TUNED = {
 # for the exact shape there, and benchmarks/NOTES.md has the compile figures.
 # Below sm_90 there is no TMA (``device.tma_hardware``): pointer loads, mma.sync, and an epilogue
 # whose 2-D tiles of pointers cost registers the descriptors did not.
-# sm80 (A100: 163 KB a block, no TMA): 128 x 128 logit tiles with 8 warps (128 x 256 spill 0.9 KB
-# with pointer loads), 4 stages in the sweep; the chunked sweep 128 x 64 with 4 warps (128 x 128
-# spilled 320 bytes with the metrics, 64 x 256 360); every product 128 x 128 with 8 warps (the pair's
-# pointer epilogue at 128 x 256 spilled 3.3 KB, 48 bytes here).
-_SM80_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=4)
-_SM80_CHUNKED = TileConfig(block_n=128, block_v=64, block_h=64, group_m=16, num_warps=4, num_stages=3, tma=False)
-_SM80_DLOGITS = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+# sm80 (A100: 163 KB a block, no TMA) and sm86 (A10G, L4, RTX 3090 / 4090, L40S: 99 KB): 128 x 128
+# logit tiles with 8 warps, 3 stages (128 x 256 spill 0.9 KB with pointer loads; 4 stages 264 bytes
+# under Triton 3.9 with every per-token field); the chunked sweep 128 x 64 with 8 warps (128 x 128
+# spilled 320 bytes with the metrics, 64 x 256 360, 128 x 64 with 4 warps 416 on sm_86 under 3.9);
+# every product 128 x 128 with 8 warps (the pair's pointer epilogue at 128 x 256 spilled 3.3 KB, 48
+# bytes here).
+_SM80_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM80_CHUNKED = TileConfig(block_n=128, block_v=64, block_h=64, group_m=16, num_warps=8, num_stages=3)
 _SM80_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-# sm86 (A10G, L4, RTX 3090 / 4090, L40S: 99 KB a block, no TMA): sm80's tiles with 3 stages.
-_SM86_SWEEP = replace(_SM80_SWEEP, num_stages=3)
-# sm100 (B200, B300: 227 KB, TMA, tcgen05): sm90's tables but for the chunked sweep, 128 x 128 with
-# 8 warps (sm90's 128 x 256 spill 1.1 KB with a softcap and a bias), and the sums into a pair,
-# 128 x 128 (0.5-0.6 KB at 128 x 256). Its class-major buffer (hosted in grad_weight) is stored through
+# sm100 (B200, B300: 227 KB, TMA, tcgen05): sm90's tables but for both sweeps, 128 x 128 with 8 warps
+# (sm90's 128 x 256 spill 1.1 KB in the chunked sweep with a softcap and a bias; under Triton 3.9
+# 0.6-2 KB in the sweep with the metrics), and the sums into a pair, 128 x 128 (0.5-0.6 KB at 128 x 256). Its class-major buffer (hosted in grad_weight) is stored through
 # pointers (``transposed_store_tma``): the transposed tile through a descriptor fails to compile
 # there at every tile tried (Triton 3.6's TMEM layout pass, ``PassManager::run failed``); by pointers
 # 0 bytes of stack.
-_SM100_CHUNKED = TileConfig(block_n=128, block_v=128, block_h=64, group_m=16, num_warps=8, num_stages=3)
+_SM100_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM100_CHUNKED = replace(_SM100_SWEEP, group_m=16)
 _SM100_PAIR = replace(_GPU_MATMUL_PAIRED_ROWS)
 # sm120 (RTX 5090, RTX PRO 6000: 99 KB a block, TMA, mma.sync): 128 x 128 tiles with 8 warps
 # everywhere (sm90's chunked sweep needs 160 KB, its fp32 sums 128 KB).
@@ -174,13 +174,14 @@ _SM120_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, nu
                              split_pair=True)
 FAMILY_TABLES = {
     "sm80": dict(tuned={"sweep": ((None, "_SM80_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
-                        "dlogits": ((None, "_SM80_DLOGITS"),)},
+                        "dlogits": ((None, "_SM80_SWEEP"),)},
                  matmul="_SM80_MATMUL", paired_rows="_SM80_MATMUL"),
-    "sm86": dict(tuned={"sweep": ((None, "_SM86_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
-                        "dlogits": ((None, "_SM80_DLOGITS"),)},
+    "sm86": dict(tuned={"sweep": ((None, "_SM80_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
+                        "dlogits": ((None, "_SM80_SWEEP"),)},
                  matmul="_SM80_MATMUL", paired_rows="_SM80_MATMUL"),
     "sm90": dict(tuned=_TUNED, matmul="_GPU_MATMUL", paired_rows="_GPU_MATMUL_PAIRED_ROWS"),
-    "sm100": dict(tuned=dict(_TUNED, chunked=((None, "_SM100_CHUNKED"),)), matmul="_GPU_MATMUL",
+    "sm100": dict(tuned=dict(_TUNED, sweep=((None, "_SM100_SWEEP"),), chunked=((None, "_SM100_CHUNKED"),)),
+                  matmul="_GPU_MATMUL",
                   paired_rows="_GPU_MATMUL_PAIRED_ROWS", compensated="_SM100_PAIR", transposed_store_tma=False),
     "sm120": dict(tuned={"sweep": ((None, "_SM120_TILES"),), "chunked": ((None, "_SM120_CHUNKED"),),
                          "dlogits": ((None, "_SM120_TILES"),)},
@@ -202,6 +203,35 @@ def pingpong(h: int) -> PingpongConfig | None:
     return _GPU_PINGPONG if h <= _GPU_PINGPONG.max_h else None
 
 
+# Triton after 3.6 (the one sm_90's tables were measured with) compiles some of them with more spills
+# (offline, Triton 3.9.0 for sm_90: the chunked sweep 424 bytes, 960 with a softcap and a bias; the
+# per-token sweep 464): there sm_90 takes 128 x 128 tiles with 8 warps for both sweeps (0 and 8 bytes
+# under 3.9), not timed. Every other family's tables hold under both (tests/kernel/test_arch_matrix.py,
+# scripts/registers_matrix.sh).
+MEASURED_TRITON = (3, 6)
+_SM90_NEWER_TRITON = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM90_NEWER_TRITON_CHUNKED = replace(_SM90_NEWER_TRITON, group_m=16)
+NEWER_TRITON_TABLES = {
+    "sm90": dict(FAMILY_TABLES["sm90"], tuned=dict(
+        _TUNED, sweep=((None, "_SM90_NEWER_TRITON"),),
+        chunked=((1024, "_GPU_CHUNKED_SWEEP_SMALL_H"), (None, "_SM90_NEWER_TRITON_CHUNKED")))),
+}
+
+
+def triton_version() -> tuple[int, int]:
+    """The installed Triton's (major, minor)."""
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in triton.__version__.split(".")[:2])
+    return major, minor
+
+
+def table(name: str) -> dict:
+    """Family ``name``'s tables for the installed Triton (``NEWER_TRITON_TABLES`` after
+    ``MEASURED_TRITON``)."""
+    if triton_version() > MEASURED_TRITON and name in NEWER_TRITON_TABLES:
+        return NEWER_TRITON_TABLES[name]
+    return FAMILY_TABLES[name]
+
+
 def family(where) -> str:
     """The configuration family of ``where``: a ``torch.device`` (``device.family``), a family name
     (``device.FAMILIES``) or None (sm_90's tables, the measured ones)."""
@@ -216,7 +246,7 @@ def family_tiles(role: str, dtype: torch.dtype, h: int | None, name: str) -> Til
     """The GPU tiles of ``role`` in family ``name``'s table (``tiles`` without the interpreter's)."""
     if dtype == torch.float32:
         return _GPU_SWEEP_FP32
-    for h_max, attr in FAMILY_TABLES[name]["tuned"][role]:
+    for h_max, attr in table(name)["tuned"][role]:
         if h_max is None or (h is not None and h <= h_max):
             return globals()[attr]
     raise AssertionError(f"no bucket of {role!r} takes h={h}")  # the last bucket is open-ended
@@ -281,8 +311,8 @@ def family_matmul(dtype: torch.dtype, role: str, name: str) -> MatmulConfig:
         raise ValueError(f"unknown matmul role {role!r}; known: {MATMUL_ROLES}")
     if dtype == torch.float32:
         return _GPU_MATMUL_FP32
-    table = FAMILY_TABLES[name]
-    return globals()[table.get(role, table["matmul"])]
+    tables = table(name)
+    return globals()[tables.get(role, tables["matmul"])]
 
 
 def matmul_config(dtype: torch.dtype, *, role: str = "product", where=None) -> MatmulConfig:
@@ -310,12 +340,12 @@ DIVERGENCE_ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
 def transposed_store_tma(where) -> bool:
     """Whether the chunked sweep stores a class-major buffer's transposed tiles through a TMA
     descriptor on ``where``'s family (``family``), else through pointers."""
-    return FAMILY_TABLES[family(where)].get("transposed_store_tma", True)
+    return table(family(where)).get("transposed_store_tma", True)
 
 
 def divergence_launches(name: str) -> tuple:
     """Family ``name``'s row-kernel launches (``DIVERGENCE_ROW_LAUNCHES`` unless its table names its own)."""
-    return globals()[FAMILY_TABLES[name].get("divergence_rows", "DIVERGENCE_ROW_LAUNCHES")]
+    return globals()[table(name).get("divergence_rows", "DIVERGENCE_ROW_LAUNCHES")]
 
 
 def divergence_row_config(r: int, v: int, where: torch.device) -> tuple[int, int, int]:

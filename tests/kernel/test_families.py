@@ -71,13 +71,30 @@ def test_each_family_picks_its_tables(monkeypatch, name):
     for role in configs.MATMUL_ROLES:
         assert configs.matmul_config(torch.bfloat16, role=role, where=CUDA) == configs.family_matmul(
             torch.bfloat16, role, fam)
-    if fam == "sm90":
+    if fam == "sm90" and configs.triton_version() <= configs.MEASURED_TRITON:
         assert configs.tiles("chunked", torch.bfloat16, 4096, where=CUDA) == configs._GPU_CHUNKED_SWEEP
         assert configs.tiles("sweep", torch.bfloat16, 4096, where=CUDA) == configs._GPU_SWEEP
         assert configs.matmul_config(torch.bfloat16, where=CUDA) == configs._GPU_MATMUL
         assert configs.matmul_config(torch.bfloat16, role="compensated", where=CUDA) == configs._GPU_MATMUL
     # without a device, sm_90's (what the published API returned before families)
-    assert configs.tiles("sweep", torch.bfloat16, 4096) == configs._GPU_SWEEP
+    assert configs.tiles("sweep", torch.bfloat16, 4096) == configs.family_tiles("sweep", torch.bfloat16, 4096, "sm90")
+
+
+def test_a_newer_triton_takes_the_tables_that_hold_under_it(monkeypatch):
+    """sm_90's measured tables under Triton 3.6; after it (3.9 spills 424-960 bytes in the chunked
+    sweep with them) the 128 x 128 sweeps; the other families one table for both."""
+    mock_gpu(monkeypatch, "H100")
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(configs, "triton_version", lambda: (3, 6))
+    assert configs.tiles("chunked", bf16, 4096, where=CUDA) == configs._GPU_CHUNKED_SWEEP
+    assert configs.tiles("sweep", bf16, 4096, where=CUDA) == configs._GPU_SWEEP
+    monkeypatch.setattr(configs, "triton_version", lambda: (3, 9))
+    assert configs.tiles("chunked", bf16, 4096, where=CUDA) == configs._SM90_NEWER_TRITON_CHUNKED
+    assert configs.tiles("sweep", bf16, 4096, where=CUDA) == configs._SM90_NEWER_TRITON
+    assert configs.tiles("chunked", bf16, 1024, where=CUDA) == configs._GPU_CHUNKED_SWEEP_SMALL_H
+    assert configs.tiles("dlogits", bf16, 4096, where=CUDA) == configs._GPU_DLOGITS
+    assert configs.matmul_config(bf16, where=CUDA) == configs._GPU_MATMUL
+    assert set(configs.NEWER_TRITON_TABLES) == {"sm90"}
 
 
 def test_the_families_differ_where_the_offline_compile_says():
