@@ -454,6 +454,18 @@ def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
 ARCHS = (80, 86, 89, 90, 100, 103, 120)  # the portability matrix (tests/kernel/test_arch_matrix.py)
 
 
+def arch_rows(job) -> list[dict]:
+    """The rows of one architecture: ``job`` is (arch, tables, matmul specs or None, unaligned)."""
+    arch, tables, matmul, unaligned = job
+    if matmul:
+        chosen = [c for spec in matmul for c in matmul_cases(spec, arch)]
+    else:
+        chosen = cases(arch, tables) + (pingpong_cases() if arch == 90 else [])
+    if unaligned:
+        chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
+    return compile_all(chosen, arch)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
@@ -463,21 +475,24 @@ def main(argv=None) -> int:
                     "instead of the architecture's own, e.g. --arch 80 --tables sm90 for what sm_90's would do there")
     ap.add_argument("--matmul", nargs="+", metavar="BM,BP,BK,GM,WARPS,STAGES",
                     help="instead of the shipped kernels: the matmul's uses at these candidate configs")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="architectures compiled in parallel, one process each (default: the CPU count)")
     ap.add_argument("--unaligned", action="store_true",
                     help="no divisibility hints (a launch with unaligned buffers or sizes that are not multiples of 16)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("registers.py compiles for a GPU target: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    rows = []
-    for arch in args.arch:
-        if args.matmul:
-            chosen = [c for spec in args.matmul for c in matmul_cases(spec, arch)]
-        else:
-            chosen = cases(arch, args.tables) + (pingpong_cases() if arch == 90 else [])
-        if args.unaligned:
-            chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
-        rows += compile_all(chosen, arch)
+    jobs = [(arch, args.tables, args.matmul, args.unaligned) for arch in args.arch]
+    if args.jobs > 1 and len(jobs) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(min(args.jobs, len(jobs)),
+                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = [row for part in pool.map(arch_rows, jobs) for row in part]
+    else:
+        rows = [row for job in jobs for row in arch_rows(job)]
     if args.json:
         print(json.dumps(rows))
         return 0
