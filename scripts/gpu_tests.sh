@@ -38,7 +38,7 @@ case "$mode" in
     shard)
         n=${1:-}
         shift || true
-        shards=$("$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); import conftest; print(conftest.GPU_SHARDS)" 2>/dev/null) || shards=10
+        shards=$("$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); import conftest; print(conftest.GPU_SHARDS)" 2>/dev/null) || shards=11
         if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt "$shards" ]; then
             echo "gpu_tests.sh: shard N needs N in 1..$shards" >&2
             exit 2
