@@ -227,7 +227,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         coef, chunk_common = losses.normalize(coef, common, all_rows_b)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
-            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales()[3])
+            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales().grad_scale)
         da = gradient_in_place(e, tile_stats, stats, coef, targets[sl], class_weight, dbias, opts, shard, cfg)
         # Spent: where they did not fit in grad_hidden the next chunk's sweep would allocate its own
         # while these are still held, twice the statistics at the peak.

@@ -138,7 +138,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         return stats_out, None
 
     if hopper:
-        stats, argmax, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales()[0], metrics, offset,
+        stats, argmax, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales().tile_scale, metrics, offset,
                                                 opts.ignore_index, skip_ignored(opts))
     else:
         stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg,

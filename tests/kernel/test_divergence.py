@@ -346,6 +346,55 @@ def test_nothing_counted():
 
 
 @pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+@pytest.mark.parametrize("nothing", ["mask", "ignore_index"])
+@pytest.mark.parametrize("denominator", ["mean", "num_items_0"])
+def test_nothing_counted_has_zero_gradients_over_no_rows(strategy, nothing, denominator):
+    """No row counted, divided by no rows ("mean") or by num_items_in_batch=0: the value is 0 / 0 =
+    NaN (as documented), every student gradient exactly 0 on both strategies, with a log-prob
+    gradient beside it too (the cross-entropy's rule; 0 x 1/0 in the products' epilogue would be
+    NaN). fp32 and fp16 (bf16 on the GPU) run the same host code."""
+    dtype = torch.float16 if nothing == "mask" else torch.float32
+    inputs = _inputs(dtype, bias=True)
+    kwargs = dict(beta=0.3, strategy=strategy, outputs=("log_probs",))
+    if nothing == "mask":
+        kwargs["mask"] = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    else:
+        inputs["targets"][:] = -100
+    if denominator == "num_items_0":
+        kwargs.update(reduction="sum", num_items_in_batch=0)
+    div, fields = fused_linear_divergence(**inputs, **kwargs)
+    assert torch.isnan(div)
+    (div + fields["log_probs"].float().sum()).backward()
+    for name in ("student_hidden", "student_weight", "student_bias"):
+        grad = inputs[name].grad
+        assert grad is not None and grad.dtype == dtype and (grad == 0).all(), name
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_chunked_second_backward_raises_the_losss_error(dtype):
+    """The chunked strategy scales its forward's gradients in place in the first backward (fp32 / bf16
+    ones, already in the leaves' dtype): a second backward through the same graph raises the loss's
+    clear error (``ops.check_spent``) naming fused_linear_divergence, before anything is written;
+    fp16's fp32 unit gradients are scaled into new tensors, so its second backward is the first's
+    again. strategy="recompute", which the message names, backwards the graph any number of times."""
+    inputs = _inputs(dtype, bias=True)
+    leaves = [inputs[k] for k in ("student_hidden", "student_weight", "student_bias")]
+    div = fused_linear_divergence(**inputs, beta=0.3, strategy="chunked")
+    first = [g.clone() for g in torch.autograd.grad(div, leaves, retain_graph=True)]
+    if dtype == torch.float16:
+        again = torch.autograd.grad(div, leaves, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+        return
+    with pytest.raises(RuntimeError, match=r'fused_linear_divergence: a second backward through the same graph '
+                                           r'\(retain_graph=True\) on the chunked path.*strategy="recompute"'):
+        torch.autograd.grad(div, leaves, retain_graph=True)
+    div = fused_linear_divergence(**inputs, beta=0.3, strategy="recompute")
+    for _ in range(2):
+        again = torch.autograd.grad(div, leaves, retain_graph=True)
+        assert all(rel_err(a, b) <= GRAD_TOL[dtype] for a, b in zip(again, first))
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
 def test_autocast_master_weight(strategy):
     """Under a 16-bit autocast the operands go in fp16 (the same divergence as an explicit cast, with
     the gradients asked for as here: a values-only kernel is compiled apart and may sum in another

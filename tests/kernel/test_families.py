@@ -147,16 +147,15 @@ def test_bf16_below_sm80_is_refused_before_any_kernel(monkeypatch):
 
 
 def test_the_public_functions_check_the_dtype_first(monkeypatch):
-    """``check_inputs`` (the loss, log-probs) and the distillation's checks call ``check_dtype`` before
-    any kernel (here made to refuse everything, on CPU tensors)."""
+    """The loss's, the log-probs' and the distillation's checks call ``check_dtype`` (through
+    ``validate.check_device``) before any kernel (here made to refuse everything, on CPU tensors)."""
     import fused_linear_ce
-    from fused_linear_ce import distill, validate
+    from fused_linear_ce import validate
 
     def refuse(dtype, where):
         raise ValueError("refused by check_dtype")
 
     monkeypatch.setattr(validate, "check_dtype", refuse)
-    monkeypatch.setattr(distill, "check_dtype", refuse)
     h, w, t = torch.randn(4, 16), torch.randn(32, 16), torch.randint(0, 32, (4,))
     with pytest.raises(ValueError, match="refused by check_dtype"):
         fused_linear_ce.fused_linear_cross_entropy(h, w, t)

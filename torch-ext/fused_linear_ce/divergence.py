@@ -5,7 +5,7 @@ Per chunk of R rows (``plan.plan_divergence_chunks``), the student's and the tea
 two fp32 (R, V) buffers (cuBLAS with an fp32 output, ``products.accumulate``: fp32 accumulation,
 never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values and, when a
 gradient is formed, da in the input dtype. The gradient products run per group of M >= R rows:
-grad_hidden[rows] = da @ W_s, grad_weight += da^T @ h_s[rows] (``weight_grad_dtype``), grad_bias +=
+grad_hidden[rows] = da @ W_s, grad_weight += da^T @ h_s[rows] (``chunked.weight_grad_dtype``), grad_bias +=
 the column sums. Where M = R, da lies over the teacher buffer's own memory (a 16-bit da row in the
 first half of the fp32 row's bytes); where the budget buys fewer groups with smaller chunks, da
 goes to its own (M, V) buffer, filled by M / R chunks: a bf16 grad_weight summed over many groups
@@ -31,11 +31,13 @@ The teacher gets no gradient and no work beyond its logits. Uncounted rows (``ma
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
 from . import configs, device, gemm, pairs, products
+from .chunked import unit_dtype, weight_grad_dtype
 from .divergence_kernel import FORWARD_KL, JSD, REVERSE_KL, divergence_row_kernel
 from .plan import DivergenceChunks, plan_divergence_chunks
 from .validate import Options
@@ -44,6 +46,14 @@ from .validate import Options
 # (``pairs.compensation_buffer``: ~12 bits of each partial sum, against 2^-9 for the final bf16
 # rounding), half the int8 remainder's V x H_s bytes, spent on da's rows instead.
 REMAINDER = torch.uint8
+
+
+class Head(NamedTuple):
+    """One model's LM head: hidden (N, H), weight (V, H), bias (V,) or None."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -74,9 +84,11 @@ def _da_view(zt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spec: Spec, *, values: bool,
             write_da: bool, stats_known: bool, dtype, div_grad: bool = True):
+    """The row kernel over a chunk's logit buffers ``zs`` / ``zt`` (rows ``row0`` on of ``n``), its
+    passes chosen by the flags (``divergence_kernel.divergence_row_kernel``); ``stats`` stands in for
+    the pointers not read."""
     r, v = zs.shape
-    scale_s, cap_s, cap_out_s, chain_s = spec.student.kernel_scales()
-    scale_t, cap_t, cap_out_t, _ = spec.teacher.kernel_scales()
+    s, t = spec.student.kernel_scales(), spec.teacher.kernel_scales()
     beta = float(spec.beta)
     log_a = math.log1p(-beta) if beta < 1 else 0.0
     log_b = math.log(beta) if beta > 0 else 0.0
@@ -88,7 +100,8 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
         targets if targets is not None else counted, counted, coef if coef is not None else dummy, stats,
         out if out is not None else dummy, row0, r, v, n, zs.stride(0), zt.stride(0),
         da.stride(0) if da is not None else 0, targets.stride(0) if targets is not None else 0,
-        scale_s, cap_s, cap_out_s, chain_s, scale_t, cap_t, cap_out_t, beta, 1.0 - beta, log_a, log_b,
+        s.tile_scale, s.softcap, s.softcap_out, s.grad_scale, t.tile_scale, t.softcap, t.softcap_out,
+        beta, 1.0 - beta, log_a, log_b,
         MODE=spec.mode, HAS_BIAS_S=b_s is not None, HAS_BIAS_T=b_t is not None,
         SOFTCAP_S=spec.student.softcap is not None, SOFTCAP_T=spec.teacher.softcap is not None,
         HAS_TARGETS=targets is not None, STATS_KNOWN=stats_known, VALUES=values, WRITE_DA=write_da,
@@ -125,22 +138,15 @@ def _logits(student, teacher, sl, zs, zt):
     """The chunk's two fp32 products h @ W.T (no bias: the row kernel adds it), each an unscaled fp32
     result: cuBLAS with an fp32 output (``products.accumulate``), never rounded to 16 bits; the
     teacher's only when ``teacher`` is given."""
-    products.accumulate(student[0][sl], student[1].t(), zs, True)
+    products.accumulate(student.hidden[sl], student.weight.t(), zs, True)
     if teacher is not None:
-        products.accumulate(teacher[0][sl], teacher[1].t(), zt, True)
-
-
-def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the "chunked" strategy's weight gradient from the forward: bf16 for bf16 inputs
-    (one group: rounded once; several: summed as a bf16 + 4-bit compensated pair, ``REMAINDER``,
-    ``products.compensated``, ~12 bits of each partial sum), else fp32 (fp32 inputs, fp16's
-    often-subnormal unit gradients, an fp32 master weight): an exact fp32 accumulator. The recompute
-    backward sums its weight gradient the same way."""
-    return torch.bfloat16 if hidden_dtype == weight_dtype == torch.bfloat16 else torch.float32
+        products.accumulate(teacher.hidden[sl], teacher.weight.t(), zt, True)
 
 
 def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, where):
-    """(grad_weight (V, H) of ``dtype``, the remainder (``REMAINDER``) of its compensated pair when it
+    """(grad_weight (V, H) of ``dtype`` (``chunked.weight_grad_dtype``: bf16 for bf16 inputs, rounded
+    once from one group, else summed as a bf16 + 4-bit compensated pair, ~12 bits of each partial sum;
+    else fp32, an exact accumulator), the remainder (``REMAINDER``) of its compensated pair when it
     is 16-bit and summed over ``several`` groups, else None); (None, None) when not ``need``ed."""
     if not need:
         return None, None
@@ -148,31 +154,32 @@ def _weight_grad(need: bool, v: int, h: int, dtype: torch.dtype, several: bool, 
     return dw, pairs.compensation_buffer(dw, REMAINDER) if dtype != torch.float32 and several else None
 
 
-def _gradient_products(da, student, sl, grads, unscale, first: bool, lo=None):
+def _gradient_products(da, student, sl, grads, factor, first: bool, lo=None):
     """grad_hidden[rows] = da @ W_s, grad_weight (+)= da^T @ h_s[rows], grad_bias += column sums,
-    each times ``unscale`` ((1,) fp32) in fp32 before its rounding. A bf16 grad_weight with ``lo``
+    each times ``factor`` ((1,) fp32) in fp32 before its rounding. A bf16 grad_weight with ``lo``
     (several groups) is summed as a compensated pair, without ``lo`` written once."""
     dx, dw, db = grads
-    if dx is not None and gemm.fills_one_wave(da, student[1]):
-        products.product(da, student[1], dx[sl], False, unscale)
+    h_rows, w = student.hidden[sl], student.weight
+    if dx is not None and gemm.fills_one_wave(da, w):
+        products.product(da, w, dx[sl], False, factor)
     elif dx is not None:  # few output tiles over a V-long reduction: cuBLAS splits it
-        products.rows_product(da, student[1], dx[sl], unscale)
+        products.rows_product(da, w, dx[sl], factor)
     if dw is not None and dw.dtype == torch.float32:
-        gemm.matmul(da.t(), student[0][sl], dw, not first, unscale)
+        gemm.matmul(da.t(), h_rows, dw, not first, factor)
     elif dw is not None and lo is not None:
-        products.compensated(da.t(), student[0][sl], dw, lo, not first, unscale)
+        products.compensated(da.t(), h_rows, dw, lo, not first, factor)
     elif dw is not None:
-        products.product(da.t(), student[0][sl], dw, False, unscale)
+        products.product(da.t(), h_rows, dw, False, factor)
     if db is not None:
-        db += torch.sum(da, 0, dtype=torch.float32) * unscale  # summed in fp32, no fp32 copy of da
+        db += torch.sum(da, 0, dtype=torch.float32) * factor  # summed in fp32, no fp32 copy of da
 
 
-def _sweep(student, teacher, plan: DivergenceChunks, buffers, dtype, launch, grads=None, unscale=None, lo=None):
+def _sweep(student, teacher, plan: DivergenceChunks, buffers, dtype, launch, grads=None, factor=None, lo=None):
     """Every chunk's logits (the teacher's only when ``teacher`` is given) and row kernel
     (``launch(zs, zt, da, row0)``, da None without ``grads``), and with ``grads`` each group's
     gradient products (``_gradient_products``) once its chunks have written their da."""
     zs_buf, zt_buf, da_buf = buffers
-    for group, chunks in _groups(student[0].shape[0], plan):
+    for group, chunks in _groups(student.hidden.shape[0], plan):
         for sl in chunks:
             zs, zt = zs_buf[:sl.stop - sl.start], zt_buf[:sl.stop - sl.start]
             _logits(student, teacher, sl, zs, zt)
@@ -180,12 +187,12 @@ def _sweep(student, teacher, plan: DivergenceChunks, buffers, dtype, launch, gra
             launch(zs, zt, da, sl.start)
         if grads is not None:
             da = da if da_buf is None else da_buf[:group.stop - group.start]
-            _gradient_products(da, student, group, grads, unscale, group.start == 0, lo)
+            _gradient_products(da, student, group, grads, factor, group.start == 0, lo)
 
 
-def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None, dw_dtype=torch.float32):
-    """The values and, with any of ``needs`` (dx, dw, db) and ``unscale``, the gradients of
-    sum_rows(counted divergence) * unscale (the "chunked" strategy). ``student``/``teacher``:
+def forward(student, teacher, targets, counted, spec: Spec, needs, factor=None, dw_dtype=torch.float32):
+    """The values and, with any of ``needs`` (dx, dw, db) and ``factor``, the gradients of
+    sum_rows(counted divergence) * factor (the "chunked" strategy). ``student``/``teacher``:
     (hidden (N, H), weight (V, H), bias or None). Returns (out (3, N): divergence, entropy, target
     log-prob; stats (3, N); grad_hidden (unit dtype: fp32 for fp16 inputs), grad_weight
     (``dw_dtype``, ``weight_grad_dtype``), grad_bias (fp32), None where not needed)."""
@@ -203,16 +210,16 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, unscale=None,
     if write:
         coef = torch.zeros((2, n), dtype=torch.float32, device=where)
         coef[0] = 1.0
-        grads = (device.new((n, h), torch.float32 if dtype == torch.float16 else dtype, where) if need_dx else None,
+        grads = (device.new((n, h), unit_dtype(dtype), where) if need_dx else None,
                  None,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
     dw, lo = _weight_grad(write and need_dw, v, h, dw_dtype, plan.group < n, where)
     grads = (grads[0], dw, grads[2])
 
     def launch(zs, zt, da, row0):
-        _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, out, row0, n, spec, values=True,
+        _launch(zs, zt, da, (bias, teacher.bias), targets, counted, coef, stats, out, row0, n, spec, values=True,
                 write_da=write, stats_known=False, dtype=dtype)
-    _sweep(student, teacher, plan, buffers, dtype, launch, grads if write else None, unscale, lo)
+    _sweep(student, teacher, plan, buffers, dtype, launch, grads if write else None, factor, lo)
     return (out, stats, *grads)
 
 
@@ -227,7 +234,7 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
     v = weight.shape[0]
     dtype, where = hidden.dtype, hidden.device
     need_dx, need_dw, need_db = needs
-    coef, unscale = _lift(coef)
+    coef, factor = _lift(coef)
     plan, *buffers = _buffers(n, v, spec, where, dtype)
     dw_dtype = dw_dtype or weight.dtype
     dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), plan.group < n, where)
@@ -235,9 +242,9 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
              torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
 
     def launch(zs, zt, da, row0):
-        _launch(zs, zt, da, (bias, teacher[2]), targets, counted, coef, stats, None, row0, n, spec, values=False,
+        _launch(zs, zt, da, (bias, teacher.bias), targets, counted, coef, stats, None, row0, n, spec, values=False,
                 write_da=True, stats_known=True, dtype=dtype, div_grad=div_grad)
-    _sweep(student, teacher if div_grad else None, plan, buffers, dtype, launch, grads, unscale, lo)
+    _sweep(student, teacher if div_grad else None, plan, buffers, dtype, launch, grads, factor, lo)
     dx, dw, db = grads
     return (dx, dw.to(dw_dtype) if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
