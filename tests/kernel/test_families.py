@@ -76,7 +76,7 @@ def test_each_family_picks_its_tables(monkeypatch, name):
         assert configs.tiles("sweep", torch.bfloat16, 4096, where=CUDA) == configs._GPU_SWEEP
         assert configs.matmul_config(torch.bfloat16, where=CUDA) == configs._GPU_MATMUL
         assert configs.matmul_config(torch.bfloat16, role="compensated", where=CUDA) == configs._GPU_MATMUL
-    # without a device, sm_90's (what the published API returned before families)
+    # without a device, sm_90's (the published API's default)
     assert configs.tiles("sweep", torch.bfloat16, 4096) == configs.family_tiles("sweep", torch.bfloat16, 4096, "sm90")
 
 
