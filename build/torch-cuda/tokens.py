@@ -122,7 +122,7 @@ def token_forward(
     low = ops.low_weight(weight, hidden)
     if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
         exps = device.new((n, v), hidden.dtype, hidden.device)
-        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1])
+        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1], where=hidden.device)
         stats, tile_stats = sweep.sweep(hidden, low, targets, bias, None, opts, shard, exps, cfg)
         tile_max = tile_stats[0].clone()  # plane 0 of the per-tile statistics: each tile's row max
     else:
@@ -148,7 +148,7 @@ def _(hidden, weight, bias, targets, scalars_, ignore_index, has_softcap, output
     top1 = hidden.new_empty((n,) if "is_top1" in names else (0,), dtype=torch.bool)
     exps, tile_max = hidden.new_empty((0,)), empty
     if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
-        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1])
+        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1], where=hidden.device)
         exps = hidden.new_empty((n, v))
         tile_max = hidden.new_empty((-(-v // cfg.block_v), n), dtype=torch.float32)
     return (*out, top1, hidden.new_empty((3, n), dtype=torch.float32), exps, tile_max)
@@ -229,7 +229,7 @@ def token_backward_chunked(
     unscale = common.reshape(1)
     if dtype == torch.float16:
         coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales().grad_scale, v_total)
-    cfg = configs.tiles("chunked", dtype, h)
+    cfg = configs.tiles("chunked", dtype, h, where=where)
     stats = sweep.RowStats(row[:2], row[2], None, None, None, None)
     block_n = chunked.gradient_rows(cfg, coef.shape[0] > 3)  # the rows of its bias partial sums
     dbias = device.new((-(-n // block_n), v), torch.float32, where) if need_db else None

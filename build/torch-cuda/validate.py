@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from .device import interpreted
+from .device import check_dtype, interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -173,7 +173,8 @@ def check_head(hidden, weight, bias, prefix: str = "", master_weight: bool = Fal
 
 def check_device(tensors) -> None:
     """``tensors`` ((name, tensor or None) pairs) on one device the kernels run on: a CUDA GPU, or
-    the CPU under the Triton interpreter."""
+    the CPU under the Triton interpreter; the first one's dtype (the inputs') one that runs well
+    there (``device.check_dtype``: no bf16 below compute capability 8.0)."""
     tensors = [(name, t) for name, t in tensors if t is not None]
     if len({t.device for _, t in tensors}) > 1:
         where = ", ".join(f"{name} on {t.device}" for name, t in tensors)
@@ -185,6 +186,7 @@ def check_device(tensors) -> None:
         )
     if device.type not in ("cuda", "cpu"):
         raise RuntimeError(f"unsupported device {device}: this kernel runs on CUDA GPUs")
+    check_dtype(tensors[0][1].dtype, device)
 
 
 def check_targets(targets, hidden, name: str = "hidden") -> None:

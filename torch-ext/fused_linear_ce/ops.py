@@ -65,7 +65,7 @@ def _forward_call(scalars_: Optional[torch.Tensor], hidden, weight, options: tup
     needs = (o["need_dx"], o["need_dw"], o["need_db"])
     master = weight.dtype != hidden.dtype
     return opts, o, needs, chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, needs,
-                                       master, sharded=o["group_id"] != 0)
+                                       master, sharded=o["group_id"] != 0, where=hidden.device)
 
 
 def low_weight(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
