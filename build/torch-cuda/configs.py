@@ -24,7 +24,7 @@ from .plan import (  # re-exported
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
     "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES", "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad", "candidates", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
+    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad", "candidates", "chunked_epilogue", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
     "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",
 ]
@@ -287,6 +287,17 @@ def candidates(role: str, dtype: torch.dtype, h: int | None = None, *, where=Non
         if cfg not in out:
             out.append(cfg)
     return tuple(out)
+
+
+def chunked_epilogue(cfg: TileConfig, softcap: bool, bias: bool) -> TileConfig:
+    """The chunked sweep's tiles for a call with both a softcap and a bias: its epilogue keeps the bias
+    tile and the softcap's tanh derivative live beside the logits, so 128 x 256 tiles with two
+    warpgroups spill 808 B a thread (sm_90, Triton 3.6, ``scripts/registers.py``); 128 x 128 with the
+    same warps spill none. Other calls keep ``cfg``. Not timed: the pairing is rare (Gemma-2's softcap
+    comes without a bias)."""
+    if softcap and bias and cfg.block_v > 128:
+        return replace(cfg, block_v=128)
+    return cfg
 
 
 def sweep_config(dtype: torch.dtype, *, chunked: bool = False, h: int | None = None, where=None) -> TileConfig:

@@ -192,3 +192,26 @@ def test_the_cublas_route_follows_the_family_tiles(monkeypatch):
     assert few("H100", 256, 4096) and not few("A100", 256, 4096)
     assert few("RTX 5090", 256, 4096)  # 64 tiles of 128 x 128 for 170 SMs
     assert not few("H100", 8192, 4096)
+
+
+def test_softcap_with_bias_takes_narrower_chunked_tiles(monkeypatch):
+    """The chunked sweep with both a softcap and a bias takes 128-wide class tiles where the table's
+    are wider (``configs.chunked_epilogue``: sm_90's 128 x 256 spill 808 B there, test_arch_matrix.py);
+    with either alone, or narrower tables, the tiles stay. In the interpreter with sm_90's tiles: the
+    narrowed tiles are the ones launched, and the loss and gradients hold against float64 (bf16 through
+    the package's emulation, as in the module docstring)."""
+    wide = configs.family_tiles("chunked", torch.bfloat16, None, "sm90")
+    assert wide.block_v == 256
+    assert configs.chunked_epilogue(wide, True, True) == configs.TileConfig(**{**vars(wide), "block_v": 128})
+    for softcap, bias in ((True, False), (False, True), (False, False)):
+        assert configs.chunked_epilogue(wide, softcap, bias) is wide
+    narrow = configs.family_tiles("chunked", torch.bfloat16, None, "sm100")
+    assert configs.chunked_epilogue(narrow, True, True) is narrow
+
+    monkeypatch.setattr(configs, "_CPU_SWEEP", wide)
+    launched = []
+    real = configs.chunked_epilogue
+    monkeypatch.setattr(configs, "chunked_epilogue", lambda *a: launched.append(real(*a)) or launched[-1])
+    check_three_way(Case(130, 64, 300, torch.bfloat16, "mean", bias=True, softcap=5.0,
+                         extra=dict(strategy="chunked")))
+    assert launched and all(cfg.block_v == 128 for cfg in launched)

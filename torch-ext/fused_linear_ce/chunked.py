@@ -158,6 +158,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             dw_dtype=dw_dtype),
             budget, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
+        cfg = configs.chunked_epilogue(cfg, opts.softcap is not None, bias is not None)
     rows = n if slab is not None else plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
     dw_type = weight_grad_dtype(dtype, dw_dtype or dtype)  # grad_weight's
     # Several chunks: the first one larger, in grad_weight's own memory (``plan.hosted_head``).
