@@ -10,6 +10,7 @@ use ``trl_distill``'s. Written from TRL's public signature and docstrings only.
 import torch
 
 from .logprobs import fused_linear_logprobs
+from .partitioned import gathered
 from .plan import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES
 from .validate import check_chunk_bytes
 
@@ -60,13 +61,15 @@ def _log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_log
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if chunk_bytes is None:
         chunk_bytes = trl_chunk_bytes(hidden)
-    if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
-        weight = weight.to(hidden.dtype) if isinstance(weight, torch.Tensor) else weight
-        bias = bias.to(hidden.dtype) if isinstance(bias, torch.Tensor) else bias
-    # Under autocast, fused_linear_logprobs casts hidden and bias, and an fp32 weight inside the op.
-    wanted = ("log_probs", *outputs)
-    out = fused_linear_logprobs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
-                                softcap=final_logit_softcapping, outputs=wanted, chunk_bytes=chunk_bytes)
+    # ZeRO-3: TRL gathers the head around this call; the backward gathers again where it reads them.
+    with gathered(weight, bias, trl=True):
+        if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
+            weight = weight.to(hidden.dtype) if isinstance(weight, torch.Tensor) else weight
+            bias = bias.to(hidden.dtype) if isinstance(bias, torch.Tensor) else bias
+        # Under autocast, fused_linear_logprobs casts hidden and bias, and an fp32 weight inside the op.
+        wanted = ("log_probs", *outputs)
+        out = fused_linear_logprobs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
+                                    softcap=final_logit_softcapping, outputs=wanted, chunk_bytes=chunk_bytes)
     return tuple(out.get(name) for name in ("log_probs", *TRL_OUTPUTS))
 
 

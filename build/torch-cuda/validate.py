@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .device import interpreted
+from .partitioned import check_gathered
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -133,6 +134,8 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias),
                     ("class_weight", class_weight)):
         _dtensor_error(name, t)
+    check_gathered("weight", weight)
+    check_gathered("bias", bias)
     if hidden.ndim < 2:
         raise ValueError(f"hidden must be (N, H) or (..., H), got shape {tuple(hidden.shape)}")
     if weight.ndim != 2:

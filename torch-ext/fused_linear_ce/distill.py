@@ -5,6 +5,7 @@ import torch
 
 from .api import _autocast
 from .device import interpreted
+from .partitioned import check_gathered
 from . import divergence_ops
 from .divergence import Spec
 from .validate import (INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes,
@@ -158,6 +159,8 @@ def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master=False) -> None:
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     for who, h, w, b in (("student", hs, ws, bs), ("teacher", ht, wt, bt)):
+        check_gathered(f"{who}_weight", w)
+        check_gathered(f"{who}_bias", b)
         if h.ndim < 2:
             raise ValueError(f"{who}_hidden must be (N, H) or (..., H), got shape {tuple(h.shape)}")
         if w.ndim != 2:
