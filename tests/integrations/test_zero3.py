@@ -277,6 +277,34 @@ def _own_loss(outer, module):
     return outer(input_ids=ids, labels=labels).loss
 
 
+def _backward_gathers_again(head, h, t):
+    """The heads' backward gathers the head again when it finds it partitioned (in the engine runs
+    above, DeepSpeed happened to hold it gathered there): each head called with the head gathered,
+    its backward (which reads the weight) run after the partition is back; grad_hidden against the
+    same on the whole head's copy."""
+    from fused_linear_ce import trl_distill, trl_head
+
+    with deepspeed.zero.GatheredParameters([head.weight, head.bias]):
+        whole = head.weight.detach().clone(), head.bias.detach().clone()
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(t.shape, generator=g).to(h.device)
+    teacher = torch.randn(VOCAB, 32, generator=g).to(h.device)
+
+    def heads(w, b):
+        x = h.clone().requires_grad_()
+        lp, ent, *_ = trl_head.chunked_log_probs(x, w, b, t, 0.9, 4096, None, 1.0, ("entropy",))
+        div, _ = trl_distill.chunked_divergence(x, w, b, x.detach(), teacher, None, 0.5)
+        return x, (lp * u).sum() + (ent * u).sum() + (div * u).sum()
+
+    with deepspeed.zero.GatheredParameters([head.weight, head.bias]):  # as TRL's fused head gathers around it
+        x, loss = heads(head.weight, head.bias)
+    assert head.weight.numel() == 0 and head.bias.numel() == 0  # partitioned again for the backward
+    (grad,) = torch.autograd.grad(loss, x)
+    x, loss = heads(*whole)
+    (expected,) = torch.autograd.grad(loss, x)
+    assert rel_err(grad, expected) < 1e-5
+
+
 def _patch_worker(rank, world, port):
     _init(rank, world, port)
     import fused_linear_ce
@@ -294,6 +322,7 @@ def _patch_worker(rank, world, port):
     assert head.weight.numel() == 0
     h = torch.randn(5, 32, device=_device())
     t = torch.randint(0, VOCAB, (5,), device=_device())
+    _backward_gathers_again(head, h, t)
     calls = [lambda: fused_linear_ce.fused_linear_cross_entropy(h, head.weight, t),
              lambda: fused_linear_ce.fused_linear_logprobs(h, head.weight, t),
              lambda: fused_linear_ce.fused_linear_logprobs(h, head.weight, t[:, None], topk=True),
