@@ -100,7 +100,9 @@ def use_in_trl(*, chunk_bytes=None) -> Replaced:
     ``fused_linear_divergence``'s knob); None: ``trl_chunk_bytes`` for the LM head (the package default
     up to 16384 x 2048 or 8192 x 4096 tokens x hidden, 6 N H bytes beyond, at most 2 GiB) and the
     divergence's default. Returns what it replaced, a ``Replaced`` {"module.attribute": previous}:
-    ``.restore()`` undoes it. Raises RuntimeError when the installed TRL does not have the head this
+    ``.restore()`` undoes it. Under DeepSpeed ZeRO-3 every installed head gathers the partitioned head
+    weights and biases it reads, through TRL's ``maybe_gather_lm_head_ctx``, in its forward and again
+    in a backward that reads them (``partitioned.gathered``). Raises RuntimeError when the installed TRL does not have the head this
     replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad
     ``chunk_bytes``."""
     check_chunk_bytes(chunk_bytes)
