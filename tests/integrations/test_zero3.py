@@ -345,9 +345,9 @@ def test_patch_model_under_zero3_and_the_functions_refuse_a_partition(world):
 
 
 def _fsdp_worker(rank, world, port, kind):
-    """FSDP2 (``fully_shard`` on the layers and the root, gloo): TRL hands its heads plain tensors (the
-    root's forward holds the student's head unsharded; the teacher's head, read after the teacher's
-    forward, a DTensor that TRL's loss, and ours, gather with ``full_tensor()``); ours equals TRL's own."""
+    """FSDP2 (``fully_shard`` on the layers and the root, gloo): the student's head is whole inside the
+    root's forward, where the loss runs; the teacher's, resharded after its forward, is read there as a
+    DTensor, which TRL's loss, and ours, gather with ``full_tensor()``. Ours equals TRL's own."""
     from test_parallel import _init as _init_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -357,16 +357,20 @@ def _fsdp_worker(rank, world, port, kind):
     _init_gloo(rank, world, port)
     mesh = init_device_mesh("cpu", (world,))
 
-    def sharded(model):
+    def sharded(model, **kwargs):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        return fully_shard(model, mesh=mesh, **kwargs)
 
     results = []
     for install in (False, True):
         student = _model(32, 0)
         if kind == "distill":
-            teacher = sharded(_model(48, 7)).eval()
+            # Resharded after its forward (the root keeps its parameters whole by default): its head
+            # is then read as a DTensor.
+            # A frozen teacher: with its head requiring grad, TRL's own loss fails in the backward here
+            # (DTensor redistribute's backward: "'Tensor' object has no attribute '_local_tensor'").
+            teacher = sharded(_model(48, 7).requires_grad_(False), reshard_after_forward=True).eval()
             loss_fn = functools.partial(_distill_loss, 0.5, None, teacher)
         else:
             import trl.trainer.utils as trl_utils
@@ -382,6 +386,10 @@ def _fsdp_worker(rank, world, port, kind):
         finally:
             if replaced is not None:
                 replaced.restore()
+        if kind == "distill":
+            from torch.distributed.tensor import DTensor
+
+            assert isinstance(teacher.lm_head.weight, DTensor)
         grads = {n: p.grad.full_tensor() for n, p in student.named_parameters()}
         results.append((loss.detach(), grads))
     (theirs, their_grads), (mine, my_grads) = results
