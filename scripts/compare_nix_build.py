@@ -14,7 +14,12 @@ The committed build/ (what scripts/upload.py publishes) is in sync when:
   sync_build.py from the sources' digest; the digest covers each side's own generated files, so it
   differs by construction, and each side's is checked against its own files by kernels), and the
   compatibility module `<module>/__init__.py`, which both sides generate (each its own text; it must
-  exist on both); keys only Nix writes (provenance, ...) are allowed;
+  exist on both); keys only Nix writes (provenance, ...) are allowed; `kernels-minver` may be lower
+  in the Nix build (ours is the oldest kernels our tests pass with; a higher one there is drift);
+* `symbols.json` (the public functions and layers, for `kernels describe-api`) says the same on both
+  sides once the package's name is set aside: kernel-builder imports the build under its own name,
+  sync_build.py under the build id, and that name starts every `module` field and every annotation
+  that names one of the package's classes;
 * the Nix build has no other file than the generated ones above.
 
 Usage: python3 scripts/compare_nix_build.py RESULT_DIR [--repo ROOT]   (exit 1 on drift)
@@ -29,6 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IGNORED_KEYS = {"id", "digest"}
+MINVER = "kernels-minver"
+SYMBOLS = "symbols.json"
 
 
 def _files(folder: Path) -> dict[str, Path]:
@@ -53,6 +60,37 @@ def generated_files(repo: Path) -> set[str]:
     return {"_ops.py", compat_module(repo)}
 
 
+def _version(text: str | None) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")) if text else ()
+
+
+def _metadata_problems(where: str, mine: dict, theirs: dict) -> list[str]:
+    problems = []
+    for key in sorted(set(mine) - IGNORED_KEYS):
+        if key == MINVER and _version(theirs.get(key)) <= _version(mine[key]):
+            continue
+        if theirs.get(key) != mine[key]:
+            problems.append(f"{where}: {key} is {theirs.get(key)!r} in the Nix build, {mine[key]!r} here")
+    return problems
+
+
+def relative_symbols(document: dict) -> dict:
+    """symbols.json with the package's own name replaced by `<package>` in every string (the `module`
+    fields, and annotations naming the package's classes, e.g. `<package>.trl_head.Replaced`)."""
+    package = document.get("module") or "<package>"
+
+    def relative(entry):
+        if isinstance(entry, dict):
+            return {k: relative(v) for k, v in entry.items()}
+        if isinstance(entry, list):
+            return [relative(v) for v in entry]
+        if isinstance(entry, str):
+            return "<package>" if entry == package else entry.replace(package + ".", "<package>.")
+        return entry
+
+    return relative(document)
+
+
 def compare(result: Path, repo: Path = REPO) -> list[str]:
     """Differences between the Nix build in `result` and repo/build/, one line each; empty when in sync."""
     problems = []
@@ -72,9 +110,11 @@ def compare(result: Path, repo: Path = REPO) -> list[str]:
             elif rel == "metadata.json":
                 mine = json.loads(path.read_text(encoding="utf-8"))
                 theirs = json.loads(nix[rel].read_text(encoding="utf-8"))
-                for key in sorted(set(mine) - IGNORED_KEYS):
-                    if theirs.get(key) != mine[key]:
-                        problems.append(f"{where}: {key} is {theirs.get(key)!r} in the Nix build, {mine[key]!r} here")
+                problems += _metadata_problems(where, mine, theirs)
+            elif rel == SYMBOLS:
+                mine = relative_symbols(json.loads(path.read_text(encoding="utf-8")))
+                if relative_symbols(json.loads(nix[rel].read_text(encoding="utf-8"))) != mine:
+                    problems.append(f"differs: {where} (beyond the package name)")
             elif rel == compat:
                 continue  # generated on each side; present on both is what matters
             elif nix[rel].read_bytes() != path.read_bytes():

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_tests.sh all         # the whole suite; with GPU_TESTS_WORKERS=12 (pytest-xdist) 5.5 min measured
 #   bash scripts/gpu_tests.sh tier        # `-m tier`: every kernel path, each dtype, realistic sizes (~6-7 min est.)
-#   bash scripts/gpu_tests.sh shard N     # `-m shardN`, N in 1..10: the shards partition the whole suite
+#   bash scripts/gpu_tests.sh shard N     # `-m shardN`, N in 1..11: the shards partition the whole suite
 #   bash scripts/gpu_tests.sh nccl        # tests/integrations/test_parallel_nccl.py (needs 2 GPUs; skipped on one)
 #   bash scripts/gpu_tests.sh plan        # no GPU needed: print each test's shard/tier (JSON) and the estimates
 #
@@ -38,7 +38,7 @@ case "$mode" in
     shard)
         n=${1:-}
         shift || true
-        shards=$("$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); import conftest; print(conftest.GPU_SHARDS)" 2>/dev/null) || shards=10
+        shards=$("$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); import conftest; print(conftest.GPU_SHARDS)" 2>/dev/null) || shards=11
         if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt "$shards" ]; then
             echo "gpu_tests.sh: shard N needs N in 1..$shards" >&2
             exit 2

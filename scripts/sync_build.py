@@ -13,6 +13,10 @@ What `kernel-builder` does for a noarch Triton kernel, without Nix:
   a SHA-256 over the sorted source file names and contents (`source_digest`), and `digest` set to the
   variant's file digest (`variant_digest`). The loader imports the variant under that id, so a changed
   source gives a new module name;
+* `build/torch-cuda/symbols.json` lists the public functions (`__all__`) and layers (`layers.__all__`)
+  for `kernels describe-api`, in kernel-builder's schema (`scripts/symbols.py`, which imports the staged
+  variant in a child process under the build id); it is one of the variant's files, so the digest
+  covers it and `--check` compares it;
 * the top-level `metadata.json` carries the same `id` and `digest`, written back here, so that it stays a
   fully valid metadata file for `kernels` (see docs) and both files are byte-identical.
 
@@ -34,7 +38,7 @@ Usage:
     python3 scripts/sync_build.py --check    # write nothing; list differences, exit 1 if any
 
 As a module (tests load it by path): `expected_files()`, `check()`, `sync()`, `kernel_id()`,
-`variant_digest()`, `hash_variant()`, `COMPAT_INIT`.
+`variant_digest()`, `hash_variant()`, `symbols_json()`, `COMPAT_INIT`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +65,9 @@ REQUIRED_KEYS = ("name", "version", "license", "python-depends", "backend")
 DIGEST_ALGORITHM = "SHA256"  # kernels._rust.DigestAlgorithm member; written as "sha256"
 # Files `Digest.hash_variant` leaves out of a variant's digest (checked by tests/packaging/test_publish.py).
 DIGEST_EXCLUDED = ("metadata.json", "metadata.json.sigstore")
+SYMBOLS = "symbols.json"  # what `kernels describe-api` (0.19+) reads from the variant
+SYMBOLS_SCRIPT = Path(__file__).resolve().with_name("symbols.py")
+_symbols_cache: dict[str, bytes] = {}  # staged variant digest -> symbols.json, one import per content
 
 # The nested compatibility package, `build/torch-cuda/<python name>/__init__.py`. It is imported by
 # older loaders as a package of its own (under whatever name they choose), one folder below the flat
@@ -156,10 +165,38 @@ def compat_path(meta: dict) -> str:
 
 
 def variant_files(meta: dict, sources: dict[str, bytes]) -> dict[str, bytes]:
-    """The variant's files other than metadata.json, `{path relative to the variant folder: bytes}`."""
+    """The variant's files other than metadata.json, `{path relative to the variant folder: bytes}`:
+    the sources, the compatibility package, and `symbols.json` generated from the two."""
     files = dict(sources)
     files[compat_path(meta)] = COMPAT_INIT.encode("utf-8")
+    files[SYMBOLS] = symbols_json(meta["id"], files)
     return dict(sorted(files.items()))
+
+
+def _stage(files: dict[str, bytes], folder: Path) -> None:
+    for rel, data in files.items():
+        path = Path(folder, rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def symbols_json(module_name: str, files: dict[str, bytes]) -> bytes:
+    """`symbols.json` for a variant made of `files`, imported as `module_name` (the build id, the name
+    the loader gives it): `scripts/symbols.py` in a child process on the files staged in a temporary
+    folder. The import needs torch and Triton (never a GPU); a failure is raised with its output."""
+    key = module_name + "\0" + source_digest(files)
+    if key not in _symbols_cache:
+        with tempfile.TemporaryDirectory(prefix="sync_build_symbols_") as tmp:
+            variant, out = Path(tmp, "variant"), Path(tmp, SYMBOLS)
+            _stage(files, variant)
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            proc = subprocess.run([sys.executable, str(SYMBOLS_SCRIPT), str(variant), module_name, str(out)],
+                                  capture_output=True, text=True, env=env, cwd=tmp)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{SYMBOLS} could not be generated (the package failed to import?):\n"
+                                   f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+            _symbols_cache[key] = out.read_bytes()
+    return _symbols_cache[key]
 
 
 def hash_variant(variant_dir: Path) -> dict:
@@ -168,7 +205,7 @@ def hash_variant(variant_dir: Path) -> dict:
     try:
         from kernels._rust import Digest, DigestAlgorithm
     except ImportError as e:  # pragma: no cover - kernels is in requirements-test.txt
-        raise RuntimeError("the digest needs the `kernels` package (pip install kernels==0.17.2)") from e
+        raise RuntimeError("the digest needs the `kernels` package (pip install kernels)") from e
     digest = Digest.hash_variant(getattr(DigestAlgorithm, DIGEST_ALGORITHM), Path(variant_dir))
     return {"algorithm": str(digest.algorithm), "files": dict(sorted(digest.files.items()))}
 
@@ -177,10 +214,7 @@ def variant_digest(files: dict[str, bytes]) -> dict:
     """The digest the variant will have once `files` are its files (plus metadata.json, which the
     digest leaves out): the files are staged in a temporary folder and hashed there by kernels."""
     with tempfile.TemporaryDirectory(prefix="sync_build_") as tmp:
-        for rel, data in files.items():
-            path = Path(tmp, rel)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+        _stage(files, Path(tmp))
         return hash_variant(Path(tmp))
 
 

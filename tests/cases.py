@@ -179,8 +179,8 @@ def long_context_at(monkeypatch, chunk: int) -> list:
 
     real = chunked.long_context_budget
 
-    def small(opts, n, v, h, dtype, needs, master, sharded):
-        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded) is None else chunk
+    def small(opts, n, v, h, dtype, needs, master, sharded, where=None):
+        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded, where) is None else chunk
 
     monkeypatch.setattr(chunked, "long_context_budget", small)
     lows, original = [], products.compensated

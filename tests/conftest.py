@@ -106,6 +106,7 @@ GPU_SECONDS = {
     "test_inputs.py": 15,  # measured 10 (estimate was 30); mostly validation errors before any kernel
     "test_integration.py": 25,  # measured 24 (estimate was 100); torch.compile training steps, opcheck, CUDA graphs
     "test_kernels_benchmark.py": 40,
+    "test_kernels_tools.py": 10,  # estimate; loads at six simulated capabilities, one describe-api subprocess
     "test_layout.py": 15,  # measured 12 (estimate was 20)
     "test_loader.py": 15,
     "test_logprobs.py": 160,  # measured 156 (estimate was 60); 33 per-token tests, two torch.compile runs
@@ -120,6 +121,8 @@ GPU_SECONDS = {
     "test_public_api.py": 10,
     "test_publish.py": 25,  # (17 s there, failing at once without nix)
     "test_registers.py": 145,  # measured 142 (estimate was 60); offline sm_90 compile of the hot kernels in a subprocess
+    "test_arch_matrix.py": 35,  # estimate: 7 targets compiled offline, one process each (~20 s a target cold on one core), seconds warm
+    "test_families.py": 10,  # estimate: 6 s on the CPU (interpreter)
     "test_rounding.py": 20,  # measured 18 (estimate was 56)
     "test_scale.py": 95,  # measured 91 (estimate was 120); sizes past int32 elements
     "test_splits.py": 5,
@@ -136,7 +139,7 @@ GPU_SECONDS = {
     "test_torch_parity.py": 35,  # measured 34
 }
 GPU_SECONDS_DEFAULT = 60  # a test file not in the table yet
-GPU_SHARDS = 10
+GPU_SHARDS = 11
 GPU_SHARD_BUDGET_S = 380  # estimate per shard: 10-minute command less start-up, ~1.5x margin
 GPU_SHARD_PART_S = 130  # files estimated above this are spread over several shards, test by test
 GPU_TIER_BUDGET_S = 380  # estimate for the tier: 8 minutes less start-up, ~1.2x margin

@@ -1,8 +1,8 @@
-"""da in a buffer of its own (``divergence.plan_chunks``): fewer, larger groups of gradient products
+"""da in a buffer of its own (``plan.plan_divergence_chunks``): fewer, larger groups of gradient products
 against da over the teacher's logit buffer, at the same chunk budget. ``fused_linear_divergence`` at
 D1 / D2 (bf16, peaked data), in interleaved rounds.
 
-Steps ("mean" by default, "none" where named; beta 1, 0.5 and 0): da in place (``GROUP_CHUNK_ROWS``
+Steps ("mean" by default, "none" where named; beta 1, 0.5 and 0): da in place (``DIVERGENCE_GROUP_CHUNK_ROWS``
 set past the in-place rows) and in its own buffer with chunks of R = 256 rows, at 512 MiB (the
 default), 768 MiB and 1 GiB, and in one chunk (run 1, before the row kernel's launches by chunk
 size and grad_hidden on cuBLAS for few tiles, also took R = 192 / 320 / 384 at 512 MiB). Pieces: both models' fp32-output logits
@@ -21,11 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiment_common as C  # noqa: E402
 
-from fused_linear_ce import divergence, pairs, products  # noqa: E402
+from fused_linear_ce import pairs, products  # noqa: E402
+from fused_linear_ce import plan as planning  # noqa: E402
 
 BETAS = (1.0, 0.5, 0.0)
 MIB = 1 << 20
-IN_PLACE = 1 << 30  # GROUP_CHUNK_ROWS past any in-place row count: da over the teacher's buffer
+IN_PLACE = 1 << 30  # DIVERGENCE_GROUP_CHUNK_ROWS past any in-place row count: da over the teacher's buffer
 STEPS = [(f"{plan} {mib}M", rows, mib, "mean") for mib in (512, 768, 1024)
          for plan, rows in (("in place", IN_PLACE), ("own R=256", 256))] + [
     ("one chunk", 256, 1 << 20, "mean"),
@@ -38,10 +39,10 @@ def steps(data):
     for beta in BETAS:
         for label, ring, mib, reduction in STEPS:
             name = f"step {label} b={beta:g}"
-            runs[name] = C.divergence_step(data, beta, lambda ring=ring: setattr(divergence, "GROUP_CHUNK_ROWS", ring),
+            runs[name] = C.divergence_step(data, beta, lambda ring=ring: setattr(planning, "DIVERGENCE_GROUP_CHUNK_ROWS", ring),
                                            reduction=reduction, chunk_bytes=mib * MIB)
-            divergence.GROUP_CHUNK_ROWS = ring
-            p = divergence.plan_chunks(n, v, mib * MIB, 2)
+            planning.DIVERGENCE_GROUP_CHUNK_ROWS = ring
+            p = planning.plan_divergence_chunks(n, v, mib * MIB, 2)
             plans[name] = f"R={p.rows} M={p.group} x{-(-n // p.group)}"
     return runs, plans
 

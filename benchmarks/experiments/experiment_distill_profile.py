@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiment_common as C  # noqa: E402
 
-from fused_linear_ce import divergence, pairs, products  # noqa: E402
+from fused_linear_ce import divergence, pairs, plan, products  # noqa: E402
 from fused_linear_ce.divergence import Spec  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
@@ -56,7 +56,7 @@ def pieces(data):
     }
     lo = pairs.compensation_buffer(dw, torch.int8)
     for budget in BUDGETS:
-        rows = divergence.chunk_rows(n, v, budget)
+        rows = plan.divergence_chunk_rows(n, v, budget)
         run[f"dw pair x{-(-n // rows)} (R={rows})"] = lambda rows=rows: [
             products.compensated(g16[i:i + rows].t(), x_s[i:i + rows], dw, lo, i > 0, one) for i in range(0, n, rows)]
     opts = Options(logit_scale=1.0, softcap=None, temperature=1.0)

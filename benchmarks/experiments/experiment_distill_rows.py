@@ -1,4 +1,4 @@
-"""The divergence row kernel's launch (``divergence.ROW_BLOCK_V``, ``ROW_WARPS``) at the chunk sizes
+"""The divergence row kernel's launch (``configs.DIVERGENCE_ROW_LAUNCHES``) at the chunk sizes
 of the default plans, and whole "mean" steps with each launch, da in place and in its own buffer.
 D1 / D2, bf16, peaked data, interleaved rounds.
 
@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiment_common as C  # noqa: E402
 
-from fused_linear_ce import divergence, products  # noqa: E402
+from fused_linear_ce import configs, divergence, plan, products  # noqa: E402
 from fused_linear_ce.divergence import Spec  # noqa: E402
 from fused_linear_ce.validate import Options  # noqa: E402
 
@@ -33,7 +33,7 @@ def rel(a, b):
 
 
 def use(launch):
-    divergence.ROW_BLOCK_V, divergence.ROW_WARPS = launch
+    configs.DIVERGENCE_ROW_LAUNCHES = ((None, *launch),)  # this launch at every row count
 
 
 def row_pieces(data, checks):
@@ -70,7 +70,7 @@ def row_pieces(data, checks):
 
 def steps(data):
     def setting(ring, launch):
-        divergence.GROUP_CHUNK_ROWS = ring
+        plan.DIVERGENCE_GROUP_CHUNK_ROWS = ring
         use(launch)
     return {f"step {plan} V{launch[0]} w{launch[1]} b={beta:g}":
             C.divergence_step(data, beta, lambda ring=ring, launch=launch: setting(ring, launch))

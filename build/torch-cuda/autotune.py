@@ -73,10 +73,10 @@ def tiles(role: str, hidden: torch.Tensor, v: int, run, budget=None, shard=None,
     whole stage with those tiles and returns its outputs, dropped here). ``variant``: what else of
     the call changes the kernels it builds (part of the key)."""
     n, h = hidden.shape
-    base = configs.tiles(role, hidden.dtype, h)
+    base = configs.tiles(role, hidden.dtype, h, where=hidden.device)
     if not enabled() or shard is not None or n == 0 or _capturing(hidden.device):
         return base
-    candidates = configs.candidates(role, hidden.dtype, h)
+    candidates = configs.candidates(role, hidden.dtype, h, where=hidden.device)
     if len(candidates) == 1:
         return candidates[0]  # nothing to choose (fp32 on the GPU)
     key = (role, hidden.dtype, n, h, v, plan.chunk_budget(budget), str(hidden.device), tuple(variant))

@@ -10,9 +10,11 @@ every sum over the vocabulary taken from these logs, never from a probability th
                             term = beta p_t (lt - log m) + (1 - beta) p_s (-q),  g = -(1 - beta) q
     da/dz = p_s (g - sum_v p_s g)   (reverse KL and JSD)
 
-``log(m / p_t)`` is taken from the larger branch of the logaddexp (``-log(beta) - s`` or ``d -
-log(1 - beta) - s``, s = log1p(exp(-|x - y|))), so no large d cancels against itself, and log1p keeps
-q's relative precision when beta (or 1 - beta) is tiny.
+with d = lt - ls and y = log(beta) + d, ``log(p_t / m)`` is taken from the larger branch of the
+logaddexp (``-log(beta) - s`` or ``d - log(1 - beta) - s``, s = log1p(exp(-|y - log(1 - beta)|))),
+so no large d cancels against itself; ``log1p`` is an atanh series of arithmetic alone (no ``tl.log``,
+whose absolute error near 1 would be all of a tiny s's digits), which keeps q's relative precision
+when beta (or 1 - beta) is tiny.
 
 The entropy and the two KLs need no lse in advance: with each row's running maxima m and sums s,
 ``-sum p_s ls = log s_s - sum e^(z_s - m_s) (z_s - m_s) / s_s`` and ``sum p_w (lw - lo) =
@@ -74,21 +76,36 @@ def log_sum(s):
     return tl.where(s <= 2.0, log1p(tl.minimum(s, 2.0) - 1.0), tl.log(s))
 
 
+# A head's logit source inside the kernel, one tuple so that every pass reads both with one call:
+# (the chunk rows' fp32 products (BLOCK_N, 1) pointers, bias pointer, scale, softcap, softcap out,
+# HAS_BIAS, SOFTCAP) at these positions.
+ROWS = tl.constexpr(0)
+BIAS = tl.constexpr(1)
+SCALE = tl.constexpr(2)
+CAP = tl.constexpr(3)
+CAP_OUT = tl.constexpr(4)
+HAS_BIAS = tl.constexpr(5)
+HAS_CAP = tl.constexpr(6)
+
+
 @triton.jit
-def both_logits(zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
-                scale_t, cap_t, cap_out_t, HAS_BIAS_S: tl.constexpr, HAS_BIAS_T: tl.constexpr,
-                SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr, TEACHER: tl.constexpr):
+def head_logits(head, offs_v, live, mask_v):
+    """z of one head's vocabulary block ``offs_v`` (``logits_of`` over the head tuple)."""
+    return logits_of(head[ROWS] + offs_v[None, :], head[BIAS], offs_v[None, :], live, mask_v, head[SCALE], head[CAP],
+                     head[CAP_OUT], head[HAS_BIAS], head[HAS_CAP])
+
+
+@triton.jit
+def both_logits(student, teacher, v0, offs, counted, V, TEACHER: tl.constexpr):
     """One vocabulary block of a block of rows: (class ids, in-vocabulary mask, counted-and-in mask,
     the student's z, the teacher's z, or the student's again without TEACHER: zt is not read)."""
     offs_v = v0 + offs
     mask_v = (offs_v < V)[None, :]
     live = counted[:, None] & mask_v
-    z_s = logits_of(zs_rows + offs_v[None, :], bias_s_ptr, offs_v[None, :], live, mask_v, scale_s, cap_s, cap_out_s,
-                    HAS_BIAS_S, SOFTCAP_S)
+    z_s = head_logits(student, offs_v, live, mask_v)
     z_t = z_s
     if TEACHER:
-        z_t = logits_of(zt_rows + offs_v[None, :], bias_t_ptr, offs_v[None, :], live, mask_v, scale_t, cap_t,
-                        cap_out_t, HAS_BIAS_T, SOFTCAP_T)
+        z_t = head_logits(teacher, offs_v, live, mask_v)
     return offs_v, mask_v, live, z_s, z_t
 
 
@@ -128,25 +145,16 @@ def divergence_row_kernel(
     coef_ptr,  # (2, N) fp32 when WRITE_DA: the divergence's and the log-prob's upstream per row
     stats_ptr,  # (3, N) fp32: lse_s, lse_t, sum_v p_s g; out, or in when STATS_KNOWN
     out_ptr,  # (3, N) fp32 out when VALUES: divergence, entropy, target log-prob
-    row0,
-    R,
-    V,
-    N,
-    stride_zs,
-    stride_zt,
-    stride_da,
-    stride_t,
+    row0, R, V, N,  # the chunk's first row and rows, the classes, all rows
+    stride_zs, stride_zt, stride_da, stride_t,
     scale_s, cap_s, cap_out_s, chain_s,  # the student's kernel scales (Options.kernel_scales)
     scale_t, cap_t, cap_out_t,  # the teacher's
     beta,
     alpha,  # 1 - beta, from the host's double (an fp32 beta near 1 leaves 1 - beta few digits)
     log_a,  # log(1 - beta) (JSD)
     log_b,  # log(beta) (JSD)
-    MODE: tl.constexpr,
-    HAS_BIAS_S: tl.constexpr,
-    HAS_BIAS_T: tl.constexpr,
-    SOFTCAP_S: tl.constexpr,
-    SOFTCAP_T: tl.constexpr,
+    MODE: tl.constexpr,  # FORWARD_KL, REVERSE_KL or JSD
+    HAS_BIAS_S: tl.constexpr, HAS_BIAS_T: tl.constexpr, SOFTCAP_S: tl.constexpr, SOFTCAP_T: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     STATS_KNOWN: tl.constexpr,
     VALUES: tl.constexpr,
@@ -174,16 +182,11 @@ def divergence_row_kernel(
     mask_n = local < R
     rows = row0 + tl.where(mask_n, local, 0)
     offs = tl.arange(0, BLOCK_V).to(tl.int64)
-    zs_rows = zs_ptr + local[:, None] * stride_zs
-    zt_rows = zt_ptr + local[:, None] * stride_zt
     da_rows = da_ptr + local[:, None] * stride_da
     counted = (tl.load(counted_ptr + rows, mask=mask_n, other=0) != 0) & mask_n
-    bad = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t = tl.zeros((BLOCK_N,), dtype=tl.int64)
-    if HAS_TARGETS:
-        t = tl.load(targets_ptr + rows * stride_t, mask=mask_n, other=0).to(tl.int64)
-        bad = tl.where(counted & ((t < 0) | (t >= V)), float("nan"), 0.0)
-        t = tl.where((t >= 0) & (t < V), t, 0)
+    t, bad = row_targets(targets_ptr, rows, stride_t, counted, mask_n, V, BLOCK_N, HAS_TARGETS)
+    student = (zs_ptr + local[:, None] * stride_zs, bias_s_ptr, scale_s, cap_s, cap_out_s, HAS_BIAS_S, SOFTCAP_S)
+    teacher = (zt_ptr + local[:, None] * stride_zt, bias_t_ptr, scale_t, cap_t, cap_out_t, HAS_BIAS_T, SOFTCAP_T)
     any_counted = tl.max(counted.to(tl.int32), axis=0) > 0
     if any_counted:
         if STATS_KNOWN:
@@ -191,72 +194,13 @@ def divergence_row_kernel(
             lse_t = tl.load(stats_ptr + N + rows, mask=counted, other=0.0)
             spg = tl.load(stats_ptr + 2 * N + rows, mask=counted, other=0.0)
         else:
-            # Pass 1, online in each row's running maxima m: s = sum e^(z - m) for both models,
-            # h = sum e^(z_s - m_s) (z_s - m_s) (the entropy's), and for the two KLs the cross term
-            # c = sum of the weighting model's e^(z - m) times u = (z_w - m_w) - (z_o - m_o) (its
-            # own logit less the other's, each shifted by its own max). A new max rescales s, h, c
-            # by e^(m_old - m_new) and moves every old u (and z - m) by the shifts m_old - m_new.
-            m_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-            m_t = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-            sum_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            sum_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            h = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            c = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                offs_v, mask_v, live, z_s, z_t = both_logits(
-                    zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
-                    scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, True)
-                new_s = tl.maximum(m_s, tl.max(z_s, axis=1))
-                new_t = tl.maximum(m_t, tl.max(z_t, axis=1))
-                shift_s = tl.where(sum_s > 0, m_s - new_s, 0.0)  # 0 before the first block
-                shift_t = tl.where(sum_t > 0, m_t - new_t, 0.0)
-                a_s = tl.exp(shift_s)
-                a_t = tl.exp(shift_t)
-                x_s = tl.where(mask_v, z_s - new_s[:, None], 0.0)
-                x_t = tl.where(mask_v, z_t - new_t[:, None], 0.0)
-                e_s = tl.where(mask_v, tl.exp(x_s), 0.0)
-                e_t = tl.where(mask_v, tl.exp(x_t), 0.0)
-                h = a_s * (h + shift_s * sum_s) + tl.sum(e_s * x_s, axis=1)
-                if MODE == REVERSE_KL:
-                    c = a_s * (c + (shift_s - shift_t) * sum_s) + tl.sum(e_s * (x_s - x_t), axis=1)
-                elif MODE == FORWARD_KL:
-                    c = a_t * (c + (shift_t - shift_s) * sum_t) + tl.sum(e_t * (x_t - x_s), axis=1)
-                sum_s = a_s * sum_s + tl.sum(e_s, axis=1)
-                sum_t = a_t * sum_t + tl.sum(e_t, axis=1)
-                m_s = new_s
-                m_t = new_t
-            log_s = log_sum(sum_s)
-            log_t = log_sum(sum_t)
-            lse_s = m_s + log_s
-            lse_t = m_t + log_t
-            ent = log_s - h / sum_s  # -sum p_s ls
-            # The KLs from pass 1: sum p (ls - lt) = c / s - log s_w + log s_o (for the reverse KL
-            # also sum p_s g); the JSD's log m needs both lse first: pass 2.
-            spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            div = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            if MODE == REVERSE_KL:
-                div = c / sum_s - log_s + log_t
-                spg = div
-            elif MODE == FORWARD_KL:
-                div = c / sum_t - log_t + log_s
+            lse_s, lse_t, ent, div, spg = statistics_pass(student, teacher, offs, counted, V, BLOCK_N, BLOCK_V, MODE)
         if VALUES:
             if MODE == JSD:
-                div = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for v0 in range(0, V, BLOCK_V):
-                    offs_v, mask_v, live, z_s, z_t = both_logits(
-                        zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
-                        scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, True)
-                    ls = tl.where(live, z_s - lse_s[:, None], 0.0)
-                    lt = tl.where(live, z_t - lse_t[:, None], 0.0)
-                    term, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
-                    div += tl.sum(term, axis=1)
-                    spg += tl.sum(tl.where(live, tl.exp(ls), 0.0) * g, axis=1)
-            log_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            if HAS_TARGETS:
-                z_tgt = logits_of(zs_ptr + local * stride_zs + t, bias_s_ptr, t, counted, mask_n, scale_s, cap_s,
-                                  cap_out_s, HAS_BIAS_S, SOFTCAP_S)
-                log_p = tl.where(counted, z_tgt - lse_s + bad, 0.0)
+                div, spg = jsd_pass(student, teacher, offs, counted, V, lse_s, lse_t, beta, alpha, log_a, log_b,
+                                    BLOCK_N, BLOCK_V, MODE)
+            log_p = target_log_prob(zs_ptr + local * stride_zs, bias_s_ptr, t, counted, mask_n, lse_s, bad, scale_s,
+                                    cap_s, cap_out_s, BLOCK_N, HAS_BIAS_S, SOFTCAP_S, HAS_TARGETS)
             tl.store(out_ptr + rows, tl.where(counted, div + bad, 0.0), mask=mask_n)
             tl.store(out_ptr + N + rows, tl.where(counted, ent, 0.0), mask=mask_n)
             tl.store(out_ptr + 2 * N + rows, log_p, mask=mask_n)
@@ -264,36 +208,144 @@ def divergence_row_kernel(
             tl.store(stats_ptr + N + rows, lse_t, mask=mask_n)
             tl.store(stats_ptr + 2 * N + rows, spg, mask=mask_n)
         if WRITE_DA:
-            for v0 in range(0, V, BLOCK_V):
-                offs_v, mask_v, live, z_s, z_t = both_logits(
-                    zs_rows, zt_rows, v0, offs, counted, V, bias_s_ptr, bias_t_ptr, scale_s, cap_s, cap_out_s,
-                    scale_t, cap_t, cap_out_t, HAS_BIAS_S, HAS_BIAS_T, SOFTCAP_S, SOFTCAP_T, DIV_GRAD)
-                ls = tl.where(live, z_s - lse_s[:, None], 0.0)
-                lt = ls
-                g = ls
-                if DIV_GRAD:
-                    lt = tl.where(live, z_t - lse_t[:, None], 0.0)
-                    _, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
-                da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
-                         MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD)
-                # A 16-bit da block lands on fp32 bytes that other warps of this program read in this
-                # block (block 0) or an earlier one, and warps drift apart: every warp's loads of
-                # the block are done before any of its da is stored.
-                tl.debug_barrier()
-                tl.store(da_rows + offs_v[None, :], round_to(da, da_ptr.dtype.element_ty, BF16_EMULATION),
-                         mask=mask_n[:, None] & mask_v)
+            da_pass(student, teacher, da_rows, offs, counted, mask_n, V, N, rows, t, bad, lse_s, lse_t, spg, coef_ptr,
+                    chain_s, cap_out_s, beta, alpha, log_a, log_b, BLOCK_V, MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD,
+                    BF16_EMULATION)
     else:
-        if VALUES:
-            zero_rows = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k in range(3):
-                tl.store(out_ptr + k * N + rows, zero_rows, mask=mask_n)
-                tl.store(stats_ptr + k * N + rows, zero_rows, mask=mask_n)
-        if WRITE_DA:
-            for v0 in range(0, V, BLOCK_V):
-                offs_v = v0 + offs
-                zero_block = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-                tl.store(da_rows + offs_v[None, :], zero_block.to(da_ptr.dtype.element_ty),
-                         mask=mask_n[:, None] & (offs_v < V)[None, :])
+        zero_rows(out_ptr, stats_ptr, da_rows, rows, mask_n, offs, V, N, BLOCK_N, BLOCK_V, VALUES, WRITE_DA)
+
+
+@triton.jit
+def row_targets(targets_ptr, rows, stride_t, counted, mask_n, V, BLOCK_N: tl.constexpr, HAS_TARGETS: tl.constexpr):
+    """(each row's target clamped into [0, V), NaN for a counted row whose target is outside it else
+    0): the loss's rule for a bad target, added to its values and da."""
+    bad = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    if HAS_TARGETS:
+        t = tl.load(targets_ptr + rows * stride_t, mask=mask_n, other=0).to(tl.int64)
+        bad = tl.where(counted & ((t < 0) | (t >= V)), float("nan"), 0.0)
+        t = tl.where((t >= 0) & (t < V), t, 0)
+    return t, bad
+
+
+@triton.jit
+def statistics_pass(student, teacher, offs, counted, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                    MODE: tl.constexpr):
+    """Pass 1: (lse_s, lse_t, the student's entropy, the divergence for the two KLs (0 for the JSD),
+    sum_v p_s g (the reverse KL's, else 0)), online in each row's running maxima m: s = sum e^(z - m)
+    for both models, h = sum e^(z_s - m_s) (z_s - m_s) (the entropy's), and for the two KLs the cross
+    term c = sum of the weighting model's e^(z - m) times u = (z_w - m_w) - (z_o - m_o) (its own
+    logit less the other's, each shifted by its own max). A new max rescales s, h, c by
+    e^(m_old - m_new) and moves every old u (and z - m) by the shifts m_old - m_new."""
+    m_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    m_t = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    sum_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sum_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    h = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v, mask_v, live, z_s, z_t = both_logits(student, teacher, v0, offs, counted, V, True)
+        new_s = tl.maximum(m_s, tl.max(z_s, axis=1))
+        new_t = tl.maximum(m_t, tl.max(z_t, axis=1))
+        shift_s = tl.where(sum_s > 0, m_s - new_s, 0.0)  # 0 before the first block
+        shift_t = tl.where(sum_t > 0, m_t - new_t, 0.0)
+        a_s = tl.exp(shift_s)
+        a_t = tl.exp(shift_t)
+        x_s = tl.where(mask_v, z_s - new_s[:, None], 0.0)
+        x_t = tl.where(mask_v, z_t - new_t[:, None], 0.0)
+        e_s = tl.where(mask_v, tl.exp(x_s), 0.0)
+        e_t = tl.where(mask_v, tl.exp(x_t), 0.0)
+        h = a_s * (h + shift_s * sum_s) + tl.sum(e_s * x_s, axis=1)
+        if MODE == REVERSE_KL:
+            c = a_s * (c + (shift_s - shift_t) * sum_s) + tl.sum(e_s * (x_s - x_t), axis=1)
+        elif MODE == FORWARD_KL:
+            c = a_t * (c + (shift_t - shift_s) * sum_t) + tl.sum(e_t * (x_t - x_s), axis=1)
+        sum_s = a_s * sum_s + tl.sum(e_s, axis=1)
+        sum_t = a_t * sum_t + tl.sum(e_t, axis=1)
+        m_s = new_s
+        m_t = new_t
+    log_s = log_sum(sum_s)
+    log_t = log_sum(sum_t)
+    ent = log_s - h / sum_s  # -sum p_s ls
+    # The KLs: sum p (ls - lt) = c / s - log s_w + log s_o (for the reverse KL also sum p_s g); the
+    # JSD's log m needs both lse first (``jsd_pass``).
+    spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    div = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if MODE == REVERSE_KL:
+        div = c / sum_s - log_s + log_t
+        spg = div
+    elif MODE == FORWARD_KL:
+        div = c / sum_t - log_t + log_s
+    return m_s + log_s, m_t + log_t, ent, div, spg
+
+
+@triton.jit
+def jsd_pass(student, teacher, offs, counted, V, lse_s, lse_t, beta, alpha, log_a, log_b, BLOCK_N: tl.constexpr,
+             BLOCK_V: tl.constexpr, MODE: tl.constexpr):
+    """Pass 2 (the JSD's values): (the divergence, sum_v p_s g) from both rows' lse."""
+    div = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    spg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v, mask_v, live, z_s, z_t = both_logits(student, teacher, v0, offs, counted, V, True)
+        ls = tl.where(live, z_s - lse_s[:, None], 0.0)
+        lt = tl.where(live, z_t - lse_t[:, None], 0.0)
+        term, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
+        div += tl.sum(term, axis=1)
+        spg += tl.sum(tl.where(live, tl.exp(ls), 0.0) * g, axis=1)
+    return div, spg
+
+
+@triton.jit
+def target_log_prob(zs_row_ptrs, bias_s_ptr, t, counted, mask_n, lse_s, bad, scale_s, cap_s, cap_out_s,
+                    BLOCK_N: tl.constexpr, HAS_BIAS_S: tl.constexpr, SOFTCAP_S: tl.constexpr,
+                    HAS_TARGETS: tl.constexpr):
+    """The student's log-prob of each row's target (0 without targets and on uncounted rows)."""
+    log_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_TARGETS:
+        z_tgt = logits_of(zs_row_ptrs + t, bias_s_ptr, t, counted, mask_n, scale_s, cap_s, cap_out_s, HAS_BIAS_S,
+                          SOFTCAP_S)
+        log_p = tl.where(counted, z_tgt - lse_s + bad, 0.0)
+    return log_p
+
+
+@triton.jit
+def da_pass(student, teacher, da_rows, offs, counted, mask_n, V, N, rows, t, bad, lse_s, lse_t, spg, coef_ptr,
+            chain_s, cap_out_s, beta, alpha, log_a, log_b, BLOCK_V: tl.constexpr, MODE: tl.constexpr,
+            SOFTCAP_S: tl.constexpr, HAS_TARGETS: tl.constexpr, DIV_GRAD: tl.constexpr, BF16_EMULATION: tl.constexpr):
+    """Pass 3: da over the rows' vocabulary blocks, in place of the teacher's logits (``_da``)."""
+    for v0 in range(0, V, BLOCK_V):
+        offs_v, mask_v, live, z_s, z_t = both_logits(student, teacher, v0, offs, counted, V, DIV_GRAD)
+        ls = tl.where(live, z_s - lse_s[:, None], 0.0)
+        lt = ls
+        g = ls
+        if DIV_GRAD:
+            lt = tl.where(live, z_t - lse_t[:, None], 0.0)
+            _, g = row_terms(ls, lt, live, beta, alpha, log_a, log_b, MODE)
+        da = _da(z_s, ls, lt, g, spg, offs_v, live, t, rows, counted, N, coef_ptr, chain_s, cap_out_s, bad,
+                 MODE, SOFTCAP_S, HAS_TARGETS, DIV_GRAD)
+        # A 16-bit da block lands on fp32 bytes that other warps of this program read in this
+        # block (block 0) or an earlier one, and warps drift apart: every warp's loads of
+        # the block are done before any of its da is stored.
+        tl.debug_barrier()
+        tl.store(da_rows + offs_v[None, :], round_to(da, da_rows.dtype.element_ty, BF16_EMULATION),
+                 mask=mask_n[:, None] & mask_v)
+
+
+@triton.jit
+def zero_rows(out_ptr, stats_ptr, da_rows, rows, mask_n, offs, V, N, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+              VALUES: tl.constexpr, WRITE_DA: tl.constexpr):
+    """A block of uncounted rows: zeros for its values, statistics and da, nothing read."""
+    if VALUES:
+        zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(3):
+            tl.store(out_ptr + k * N + rows, zero, mask=mask_n)
+            tl.store(stats_ptr + k * N + rows, zero, mask=mask_n)
+    if WRITE_DA:
+        for v0 in range(0, V, BLOCK_V):
+            offs_v = v0 + offs
+            zero_block = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+            tl.store(da_rows + offs_v[None, :], zero_block.to(da_rows.dtype.element_ty),
+                     mask=mask_n[:, None] & (offs_v < V)[None, :])
 
 
 @triton.jit

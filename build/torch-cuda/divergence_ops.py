@@ -4,33 +4,55 @@ implementations and autograd, so that ``torch.compile(fullgraph=True)`` sees two
 no recompile per temperature, no device sync), read inside the ops on the host.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from . import chunked as chunked_path
 from . import divergence, ops
-from .divergence import Spec
+from .divergence import Head, Spec
 from .validate import Options
 
 NAMESPACE = ops.NAMESPACE
 
 
-def _spec(scalars: Optional[torch.Tensor], has_s_cap: bool, has_t_cap: bool, reduction: str, strategy: str,
+class Scalars(NamedTuple):
+    """The ops' float options, in the order of their CPU float64 ``scalars`` tensor; 1.0 stands in
+    for an absent softcap (``has_s_cap`` / ``has_t_cap`` say which are given)."""
+
+    beta: float
+    temperature: float
+    student_scale: float
+    student_softcap: float
+    teacher_scale: float
+    teacher_softcap: float
+
+    @classmethod
+    def of(cls, spec: Spec) -> "Scalars":
+        s, t = spec.student, spec.teacher
+        return cls(spec.beta, s.temperature, s.logit_scale, s.softcap if s.softcap is not None else 1.0,
+                   t.logit_scale, t.softcap if t.softcap is not None else 1.0)
+
+
+def _spec(scalars: torch.Tensor, has_s_cap: bool, has_t_cap: bool, reduction: str, strategy: str,
           chunk_bytes: Optional[int]) -> Spec:
-    """The Spec inside an op; ``scalars`` (beta, temperature, student scale, student softcap, teacher
-    scale, teacher softcap) None in a fake implementation: placeholders (only shapes are decided)."""
-    beta, t, s_scale, s_cap, t_scale, t_cap = scalars.tolist() if scalars is not None else (0.5, 1, 1, 1, 1, 1)
-    return Spec(beta=beta,
-                student=Options(logit_scale=s_scale, softcap=s_cap if has_s_cap else None, temperature=t),
-                teacher=Options(logit_scale=t_scale, softcap=t_cap if has_t_cap else None, temperature=t),
+    """The Spec inside an op, from its ``scalars`` tensor (``Scalars``)."""
+    x = Scalars(*scalars.tolist())
+    return Spec(beta=x.beta,
+                student=Options(logit_scale=x.student_scale, softcap=x.student_softcap if has_s_cap else None,
+                                temperature=x.temperature),
+                teacher=Options(logit_scale=x.teacher_scale, softcap=x.teacher_softcap if has_t_cap else None,
+                                temperature=x.temperature),
                 reduction=reduction, strategy=strategy, chunk_bytes=chunk_bytes)
 
 
-def _low(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The student weight in hidden's dtype: an fp32 master weight under a 16-bit autocast
-    (``validate.is_master_weight``) is cast here, once per op, and its gradient stays the products'
-    fp32 sum (never rounded to 16 bits)."""
-    return weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+def _over(numerator, denominator: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """``numerator`` / ``denominator`` (0-d fp32), or 0 where no row is counted: then every gradient is zero
+    (whatever the reduction and the denominator: "mean" over no rows, num_items_in_batch=0), as the
+    loss's are, while the value stays 0 / 0 = NaN. Uncounted rows' da is 0 and 0 x 1/0 would be NaN
+    in the products' fp32 epilogue. On the device, no sync."""
+    quotient = numerator / denominator
+    return torch.where(counted.any(), quotient, torch.zeros_like(quotient))
 
 
 def _chunked(strategy: str, need_dx: bool, need_dw: bool, need_db: bool) -> bool:
@@ -50,10 +72,10 @@ def divergence_forward(
     empty (0,)."""
     spec = _spec(scalars, has_s_cap, has_t_cap, reduction, strategy, chunk_bytes)
     chunked = _chunked(strategy, need_dx, need_dw, need_db)
-    unscale = (1.0 / denominator).reshape(1).to(torch.float32) if chunked else None
+    factor = _over(1.0, denominator, counted).reshape(1).to(torch.float32) if chunked else None
     needs = (need_dx, need_dw, need_db) if chunked else (False,) * 3
-    out, stats, *grads = divergence.forward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, spec, needs,
-                                            unscale, divergence.weight_grad_dtype(hs.dtype, ws.dtype))
+    out, stats, *grads = divergence.forward(Head(hs, ops.low_weight(ws, hs), bs), Head(ht, wt, bt), targets, counted,
+                                            spec, needs, factor, chunked_path.weight_grad_dtype(hs.dtype, ws.dtype))
     rows, entropy, log_probs = (t.clone() for t in out)  # distinct outputs
     div = rows if denominator is None else rows.sum() / denominator
     grads = [g if g is not None else hs.new_empty((0,)) for g in grads]
@@ -67,12 +89,12 @@ def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, has_s_cap,
     v = ws.shape[0]
     chunked = _chunked(strategy, need_dx, need_dw, need_db)
     rows = hs.new_empty((n,), dtype=torch.float32)
-    unit = torch.float32 if hs.dtype == torch.float16 else hs.dtype
+    unit = chunked_path.unit_dtype(hs.dtype)
     empty = hs.new_empty((0,))
     return (rows if denominator is None else hs.new_empty((), dtype=torch.float32), rows.new_empty((n,)),
             rows.new_empty((n,)), rows.new_empty((3, n)),
             hs.new_empty((n, h), dtype=unit) if chunked and need_dx else empty,
-            hs.new_empty((v, h), dtype=divergence.weight_grad_dtype(hs.dtype, ws.dtype)) if chunked and need_dw
+            hs.new_empty((v, h), dtype=chunked_path.weight_grad_dtype(hs.dtype, ws.dtype)) if chunked and need_dw
             else empty,
             hs.new_empty((v,), dtype=torch.float32) if chunked and need_db else empty)
 
@@ -88,7 +110,7 @@ def divergence_backward(
     (the divergence's and the log-prob's upstream), recomputing the logits; empty (0,) where not
     needed. ``div_grad`` False: the log-prob's term alone (coef[0] unused, no teacher product)."""
     spec = _spec(scalars, has_s_cap, has_t_cap, "none", "recompute", chunk_bytes)
-    grads = divergence.backward((hs, _low(ws, hs), bs), (ht, wt, bt), targets, counted, stats, coef, spec,
+    grads = divergence.backward(Head(hs, ops.low_weight(ws, hs), bs), Head(ht, wt, bt), targets, counted, stats, coef, spec,
                                 (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
@@ -112,6 +134,7 @@ def _setup_context(ctx, inputs, output):
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])
     ctx.chunked = _chunked(o["strategy"], *ctx.computed)
     ctx.dtypes = (hs.dtype, ws.dtype, bs.dtype if bs is not None else hs.dtype)
+    ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``ops.scale_saved``)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1], output[3], output[4], output[5], output[6])
     saved = output[4:] if ctx.chunked else (None, None, None)
@@ -119,29 +142,20 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
+    if ctx.chunked:
+        ops.check_spent(ctx, "fused_linear_divergence")
     hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, stats, dx, dw, db = ctx.saved_tensors
     o = ctx.options
     needs = ctx.computed
     grads = [None, None, None]
     if ctx.chunked and grad_div is not None:
-        g = grad_div.reshape(())
-        # A gradient already in its leaf's dtype is scaled where it is (no second V x H tensor at
-        # the backward's peak; a second backward through the graph then fails autograd's version
-        # check); the rest, and everything under create_graph, into new tensors (``ops._backward``).
-        in_place = [need and t.dtype == d and not torch.is_grad_enabled()
-                    for t, d, need in zip((dx, dw), ctx.dtypes[:2], needs[:2])]
-        for t, yes in zip((dx, dw), in_place):
-            if yes:
-                ops.scale_in_place(t, g)
-        rest = [t.new_empty((0,)) if yes else t for t, yes in zip((dx, dw), in_place)]
-        scaled = list(ops.scale_gradients(*rest, db, g, *ctx.dtypes))
-        scaled[:2] = [t if yes else s for t, s, yes in zip((dx, dw), scaled[:2], in_place)]
+        scaled = ops.scale_saved(ctx, (dx, dw, db), grad_div.reshape(()), needs)
         grads = [s if need else None for s, need in zip(scaled, needs)]
         grad_div = None
     if grad_div is not None or grad_lp is not None:
         zero = hs.new_zeros((hs.shape[0],), dtype=torch.float32)
-        c_div = zero if grad_div is None else (grad_div.float() / denominator if denominator is not None
-                                               else grad_div.float()).expand(hs.shape[0])
+        c_div = zero if grad_div is None else (_over(grad_div.float(), denominator, counted)
+                                               if denominator is not None else grad_div.float()).expand(hs.shape[0])
         c_lp = zero if grad_lp is None else grad_lp.float()
         more = divergence_backward(torch.stack([c_div, c_lp]), hs, ws, bs, ht, wt, bt, targets, counted, stats,
                                    scalars, o["has_s_cap"], o["has_t_cap"], o["chunk_bytes"], *needs,
@@ -159,9 +173,7 @@ def apply(hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec):
     read here (grad mode and requires_grad). Returns (divergence, entropy, log_probs)."""
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hs, ws, bs)]
-    s, t = spec.student, spec.teacher
-    scalars = ops.float_tensor((spec.beta, s.temperature, s.logit_scale, s.softcap if s.softcap is not None else 1.0,
-                                t.logit_scale, t.softcap if t.softcap is not None else 1.0))
-    out = divergence_forward(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, s.softcap is not None,
-                             t.softcap is not None, spec.reduction, spec.strategy, spec.chunk_bytes, *needs)
+    scalars = ops.float_tensor(tuple(Scalars.of(spec)))
+    out = divergence_forward(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars,
+                             spec.student.softcap is not None, spec.teacher.softcap is not None, spec.reduction, spec.strategy, spec.chunk_bytes, *needs)
     return out[0], out[1], out[2]

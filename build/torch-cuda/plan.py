@@ -27,6 +27,11 @@ DEFAULT_CHUNKED_BYTES = 256 << 20
 # in 448 MiB's 1792-row chunks and torch.compile's 332.0 / 329.4 under the same autocast, 503.8 MiB
 # beyond autocast's bf16 weight copy (H200, benchmarks/results/hosted/).
 DEFAULT_MASTER_BYTES = 504 << 20
+# The divergence's memory knob (``fused_linear_divergence``): one chunk's two fp32 (R, V) logit
+# buffers and the (M, V) da of its group (R x V x LOGIT_PAIR_BYTES + M x V x da's bytes;
+# ``plan_divergence_chunks``). With bf16 grad_weight's 4-bit remainder (V x H_s / 2 bytes,
+# ``divergence.REMAINDER``) 794 MiB at D1 (8192 x 2048 x 151936): 7 groups of 1184 rows.
+DEFAULT_DIVERGENCE_BYTES = 640 << 20
 # The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
 # fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
 DEFAULT_PAIRED_BYTES = 512 << 20
@@ -296,3 +301,63 @@ def borrowed_order(v: int, cols: int, first_borrowed_row: int):
     blocks = [(max(0, end - cols), end - max(0, end - cols)) for end in range(v, 0, -cols)][::-1]
     clear = [b for b in blocks if b[0] + b[1] <= first_borrowed_row]
     return clear, blocks[len(clear) :]
+
+
+# The divergence's chunks (``divergence.py``). A chunk row's two fp32 logit rows: bytes a class.
+LOGIT_PAIR_BYTES = 8
+# Row counts at least this large are rounded down to whole multiples of DIVERGENCE_ROW_ALIGN
+# (tile-friendly).
+DIVERGENCE_ROW_ALIGN = 16
+# The rows of a chunk whose da goes to a buffer of its own (``plan_divergence_chunks``): on the GPU a
+# chunk's logit products stream both weights once (2 x V x H bytes) for R x V x H products, so R sets
+# their arithmetic intensity; on the interpreter, a few rows (several chunks a group at the tests'
+# sizes).
+DIVERGENCE_GROUP_CHUNK_ROWS = 256
+INTERPRETED_DIVERGENCE_GROUP_CHUNK_ROWS = 8
+
+
+@dataclass(frozen=True)
+class DivergenceChunks:
+    """How the divergence's rows go through its buffers: ``rows`` (R) a chunk of logits, ``group``
+    (M) the rows whose gradient products run together; ``own_da``: da in an (M, V) buffer of its own
+    (M > R), else over the teacher's logit buffer (M = R)."""
+
+    rows: int
+    group: int
+
+    @property
+    def own_da(self) -> bool:
+        return self.group > self.rows
+
+
+def _divergence_aligned(rows: int) -> int:
+    return rows // DIVERGENCE_ROW_ALIGN * DIVERGENCE_ROW_ALIGN if rows >= DIVERGENCE_ROW_ALIGN else rows
+
+
+def divergence_chunk_rows(n: int, v: int, chunk_bytes: int | None) -> int:
+    """The divergence's rows per chunk with da over the teacher's buffer: as many as two fp32 (R, V)
+    buffers within ``chunk_bytes`` hold (default DEFAULT_DIVERGENCE_BYTES), at least 1, in multiples
+    of DIVERGENCE_ROW_ALIGN from there on; all N when they fit."""
+    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
+    rows = max(1, budget // (LOGIT_PAIR_BYTES * v))
+    return n if rows >= n else _divergence_aligned(rows)
+
+
+def plan_divergence_chunks(n: int, v: int, chunk_bytes: int | None, da_bytes: int | None = None) -> DivergenceChunks:
+    """The divergence's chunks and gradient groups within ``chunk_bytes``. Values only (``da_bytes``
+    None) or all rows in one chunk: ``divergence_chunk_rows`` rows, da (if any) over the teacher's
+    buffer. Else, with R = ``DIVERGENCE_GROUP_CHUNK_ROWS`` (at most what fits in place), the rest of
+    the budget is da's own buffer, M rows of ``da_bytes`` per class (all N rows when they fit, and
+    then any budget left widens the chunks): taken where M exceeds the in-place rows, so that fewer
+    groups pay the gradient products' fixed costs."""
+    budget = DEFAULT_DIVERGENCE_BYTES if chunk_bytes is None else chunk_bytes
+    in_place = divergence_chunk_rows(n, v, budget)
+    if da_bytes is None or in_place >= n:
+        return DivergenceChunks(in_place, in_place)
+    interpreted = _device.interpreted()
+    rows = min(INTERPRETED_DIVERGENCE_GROUP_CHUNK_ROWS if interpreted else DIVERGENCE_GROUP_CHUNK_ROWS, in_place)
+    group = _divergence_aligned((budget - LOGIT_PAIR_BYTES * rows * v) // (da_bytes * v))
+    if group >= n:
+        group = n
+        rows = max(rows, min(n, _divergence_aligned((budget - da_bytes * n * v) // (LOGIT_PAIR_BYTES * v))))
+    return DivergenceChunks(rows, group) if group > in_place else DivergenceChunks(in_place, in_place)

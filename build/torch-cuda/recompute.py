@@ -286,7 +286,7 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     unscale = common.reshape(1).to(torch.float32) if common is not None else None
     if dtype == torch.float16 and n > 0:
         v_total = shard.v_total if shard is not None else v
-        coef, unscale = losses.lift_fp16(coef, unscale, class_weight, opts.kernel_scales()[3], v_total)
+        coef, unscale = losses.lift_fp16(coef, unscale, class_weight, opts.kernel_scales().grad_scale, v_total)
     one = torch.ones((1,), dtype=torch.float32, device=where)
     dx_deferred = need_dx and dx_acc is not grad_hidden and dx_pass.weight_grad
     # A grad_weight summed over token blocks from 16-bit products is summed unscaled in fp32 (cuBLAS

@@ -119,10 +119,10 @@ def token_forward(
     sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
     empty = hidden.new_empty((0,), dtype=torch.float32)
     exps, tile_max = hidden.new_empty((0,)), empty
-    low = ops._low(weight, hidden)
+    low = ops.low_weight(weight, hidden)
     if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
         exps = device.new((n, v), hidden.dtype, hidden.device)
-        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1])
+        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1], where=hidden.device)
         stats, tile_stats = sweep.sweep(hidden, low, targets, bias, None, opts, shard, exps, cfg)
         tile_max = tile_stats[0].clone()  # plane 0 of the per-tile statistics: each tile's row max
     else:
@@ -148,7 +148,7 @@ def _(hidden, weight, bias, targets, scalars_, ignore_index, has_softcap, output
     top1 = hidden.new_empty((n,) if "is_top1" in names else (0,), dtype=torch.bool)
     exps, tile_max = hidden.new_empty((0,)), empty
     if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
-        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1])
+        cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1], where=hidden.device)
         exps = hidden.new_empty((n, v))
         tile_max = hidden.new_empty((-(-v // cfg.block_v), n), dtype=torch.float32)
     return (*out, top1, hidden.new_empty((3, n), dtype=torch.float32), exps, tile_max)
@@ -189,7 +189,7 @@ def token_backward(
     shard = parallel.shard_for(group_id, v)
     v_total = shard.v_total if shard is not None else v
     coef, common = coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
-    grads = recompute.backward(hidden, ops._low(weight, hidden), targets, bias, None, row[:2], coef, opts, need_dx,
+    grads = recompute.backward(hidden, ops.low_weight(weight, hidden), targets, bias, None, row[:2], coef, opts, need_dx,
                                need_dw, need_db, shard, common, dw_dtype=weight.dtype)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
@@ -228,8 +228,8 @@ def token_backward_chunked(
     coef, common = coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
     unscale = common.reshape(1)
     if dtype == torch.float16:
-        coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales()[3], v_total)
-    cfg = configs.tiles("chunked", dtype, h)
+        coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales().grad_scale, v_total)
+    cfg = configs.tiles("chunked", dtype, h, where=where)
     stats = sweep.RowStats(row[:2], row[2], None, None, None, None)
     block_n = chunked.gradient_rows(cfg, coef.shape[0] > 3)  # the rows of its bias partial sums
     dbias = device.new((-(-n // block_n), v), torch.float32, where) if need_db else None
@@ -237,7 +237,7 @@ def token_backward_chunked(
     grad_hidden, grad_weight, grad_bias = (hidden.new_empty((0,)) for _ in range(3))  # distinct outputs
     if need_dx:
         out = device.new((n, h), torch.float32 if shard is not None else dtype, where)
-        products.product(da, ops._low(weight, hidden), out, False, unscale)
+        products.product(da, ops.low_weight(weight, hidden), out, False, unscale)
         if shard is not None:
             parallel.all_reduce(out, shard)
         grad_hidden = out.to(dtype)

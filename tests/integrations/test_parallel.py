@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from cases import Case, class_weights, make_inputs
 from conftest import ON_GPU, rel_err
-from fused_linear_ce import fused_linear_cross_entropy, fused_linear_logprobs
+from fused_linear_ce import fused_linear_cross_entropy, fused_linear_divergence, fused_linear_logprobs
 
 # The workers run the Triton interpreter on CPU tensors with gloo; on a CUDA machine the kernels are
 # compiled for the GPU at import, so these CPU tests do not apply there. The NCCL versions (2 GPUs)
@@ -312,6 +312,11 @@ def _dtensor_worker(rank, world, port):
             fused_linear_cross_entropy(hidden, sharded, targets)
         with pytest.raises(TypeError, match="hidden is a DTensor"):
             fused_linear_cross_entropy(distribute_tensor(hidden, mesh, [Shard(0)]), weight, targets)
+        # the divergence (one validation of a head): each model's tensors, the whole vocabulary only
+        with pytest.raises(TypeError, match=r"student_weight is a DTensor.*no process_group.*full_tensor"):
+            fused_linear_divergence(hidden, sharded, hidden, weight, beta=0.5)
+        with pytest.raises(TypeError, match=r"teacher_weight is a DTensor"):
+            fused_linear_divergence(hidden, weight, hidden, sharded, beta=0.5)
         got = fused_linear_cross_entropy(hidden, sharded.to_local(), targets, process_group=mesh.get_group())
         want = fused_linear_cross_entropy(hidden, weight, targets)
         assert rel_err(got, want) < 1e-6

@@ -26,6 +26,7 @@ from trl.kernels.chunked_divergence import ChunkedDivergenceFunction as TheirHea
 
 import fused_linear_ce  # noqa: E402
 from fused_linear_ce import trl_distill  # noqa: E402
+from fused_linear_ce.plan import LOGIT_PAIR_BYTES  # noqa: E402
 
 THEIR_LOSS = trl_distillation._chunked_divergence_loss
 N, HS, HT, V = (40, 32, 48, 300)
@@ -117,6 +118,20 @@ def test_loss_edge_cases_match_trls():
             assert a.dtype == b.dtype and rel_err(a, b) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_loss_nothing_counted_over_zero_items_has_zero_gradients(dtype):
+    """A fully masked batch divided by num_items_in_batch=0 (a tensor, as the trainer passes it): the
+    loss is 0 / 0 = NaN, and every student gradient exactly 0 (``fused_linear_divergence``'s rule for
+    no counted row), not NaN."""
+    hs, ht, ws, wt, bs, bt, mask = _inputs(dtype, seed=6)
+    loss, entropy_sum, n_valid, grads = _run_loss(trl_distill.chunked_divergence_loss,
+                                                  (hs, ht, ws, wt, bs, bt, torch.zeros_like(mask)), 0.5,
+                                                  num_items_in_batch=torch.tensor(0))
+    assert torch.isnan(loss) and entropy_sum == 0 and n_valid == 0
+    for name, grad in zip(("hidden", "weight", "bias"), grads):
+        assert grad.dtype == dtype and (grad == 0).all(), name
+
+
 def _run_head(apply, inputs, beta, args):
     hs, ht, ws, wt, bs, bt, _ = inputs
     leaves = [t.reshape(-1, t.shape[-1]).clone().requires_grad_() if t.dim() == 3 else t.clone().requires_grad_()
@@ -178,7 +193,7 @@ def test_contracts_and_use_in_trl_installs_and_restores(restore_trl, monkeypatch
     replaced.restore()
     assert {name: getattr(trl_distillation, name) for name in originals} == originals
     assert trl_utils._ChunkedLogProbFunction is replaced["trl.trainer.utils._ChunkedLogProbFunction"]
-    budget = 24 * V * 8
+    budget = 24 * V * LOGIT_PAIR_BYTES  # 24 rows of the divergence's two fp32 logit rows
     fused_linear_ce.use_in_trl(chunk_bytes=budget)
     head, loss = trl_distillation.ChunkedDivergenceFunction, trl_distillation._chunked_divergence_loss
     assert head.chunk_bytes == budget
@@ -197,6 +212,20 @@ def test_contracts_and_use_in_trl_installs_and_restores(restore_trl, monkeypatch
     trl_distill.chunked_divergence_loss(hs, ht, ws, wt, mask, 0.3)
     assert seen == [(budget, "sum"), (budget, "none"), (None, "sum")]
 
+
+
+def test_use_in_trl_takes_a_budget_per_head(restore_trl):
+    """``divergence_chunk_bytes`` is the distillation drop-ins' budget and ``chunk_bytes`` the LM head's,
+    each where it is given; the divergence's follows ``chunk_bytes`` only without its own."""
+    lm, div = 48 * V * LOGIT_PAIR_BYTES, 24 * V * LOGIT_PAIR_BYTES
+    fused_linear_ce.use_in_trl(chunk_bytes=lm, divergence_chunk_bytes=div)
+    assert trl_utils._ChunkedLogProbFunction.chunk_bytes == lm
+    assert trl_distillation.ChunkedDivergenceFunction.chunk_bytes == div
+    fused_linear_ce.use_in_trl(divergence_chunk_bytes=div)
+    assert trl_utils._ChunkedLogProbFunction is fused_linear_ce.ChunkedLogProbFunction  # the LM head's default
+    assert trl_distillation.ChunkedDivergenceFunction.chunk_bytes == div
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        fused_linear_ce.use_in_trl(divergence_chunk_bytes=0)
 
 # --- DistillationTrainer, end to end ------------------------------------------------------------------
 

@@ -179,7 +179,7 @@ def test_one_candidate_is_not_timed(monkeypatch):
     autotune.enable(True)
     calls = _count_timings(monkeypatch)
     only = configs.tiles("sweep", torch.float32, 48)
-    monkeypatch.setattr(configs, "candidates", lambda role, dtype, h=None: (only,))
+    monkeypatch.setattr(configs, "candidates", lambda role, dtype, h=None, where=None: (only,))
     assert autotune.tiles("sweep", torch.zeros(16, 48, device=DEVICE), 300, lambda cfg: cfg) == only
     assert calls == [] and autotune.chosen() == {}
 

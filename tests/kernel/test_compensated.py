@@ -462,7 +462,7 @@ def test_the_split_epilogue_sums_the_same_bits(lo_dtype, monkeypatch):
     results = []
     for split in (False, True):
         cfg = dataclasses.replace(shipped, split_pair=split)
-        monkeypatch.setattr(configs, "matmul_config", lambda dtype, role="product", cfg=cfg: cfg)
+        monkeypatch.setattr(configs, "matmul_config", lambda dtype, role="product", where=None, cfg=cfg: cfg)
         hi = start.clone()
         lo = pairs.compensation_buffer(hi, lo_dtype)
         products.compensated(a, b, hi, lo, False, unscale)

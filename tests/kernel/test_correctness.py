@@ -181,7 +181,7 @@ def test_chunked_gradient_finds_each_column_tile_max_in_wider_sweep_tiles(sweep_
 
     cfg = dataclasses.replace(configs.tiles("chunked", torch.bfloat16), block_v=sweep_cols)
     real_tiles = configs.tiles
-    monkeypatch.setattr(configs, "tiles", lambda role, dt, h=None: cfg if role == "chunked" else real_tiles(role, dt, h))
+    monkeypatch.setattr(configs, "tiles", lambda role, dt, h=None, where=None: cfg if role == "chunked" else real_tiles(role, dt, h, where=where))
     spy = KernelSpy(chunked.softmax_gradient_kernel)
     monkeypatch.setattr(chunked, "softmax_gradient_kernel", spy)
     check_three_way(Case(40, 48, 1000, torch.bfloat16, "mean", ignored=0.2, bias=True, extra=dict(strategy="chunked")))

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import divergence, fused_linear_divergence, products, reference
+from fused_linear_ce import configs, divergence, fused_linear_divergence, products, reference
+from fused_linear_ce import plan as plan_module
 
 N, H_S, H_T, V = (53, 96, 128, 1000) if ON_GPU else (37, 48, 80, 300)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, **({"bf16": torch.bfloat16} if ON_GPU else {})}
@@ -25,19 +26,20 @@ VALUE_TOL = 2e-5
 GRAD_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 # Forces several chunks: 16 rows of two fp32 buffers (three chunks, the last one ragged); with
 # ``small_groups``, a 16-bit da in a buffer of its own, groups of 32 rows in chunks of 8.
-SMALL_CHUNKS = 8 * V * 16
+LOGITS = plan_module.LOGIT_PAIR_BYTES  # a chunk row's two fp32 logit rows, bytes a class
+SMALL_CHUNKS = LOGITS * V * 16
 # With ``small_groups``: fp32 da in its own buffer, groups of 32 rows in chunks of 8 (8 x 8 + 32 x 4
 # bytes a class).
-OWN_DA_FP32 = 8 * V * 8 + 4 * V * 32
+OWN_DA_FP32 = LOGITS * V * 8 + 4 * V * 32
 # 16-bit da over the teacher's buffer in chunks of 6 rows: da's own buffer would hold none.
-IN_PLACE_16 = 8 * V * 6
+IN_PLACE_16 = LOGITS * V * 6
 
 
 @pytest.fixture
 def small_groups(monkeypatch):
     """Chunks of 8 rows where da takes a buffer of its own, on the GPU as on the interpreter."""
-    monkeypatch.setattr(divergence, "GROUP_CHUNK_ROWS", 8)
-    monkeypatch.setattr(divergence, "INTERPRETED_GROUP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(plan_module, "DIVERGENCE_GROUP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(plan_module, "INTERPRETED_DIVERGENCE_GROUP_CHUNK_ROWS", 8)
 
 
 def _count_groups(monkeypatch):
@@ -168,7 +170,7 @@ def test_num_items_tensor_and_sum():
 
 @pytest.mark.parametrize("beta,strategy,reduction", [(0.0, "chunked", "mean"), (1.0, "recompute", "none")])
 def test_several_chunks(beta, strategy, reduction):
-    assert divergence.chunk_rows(N, V, SMALL_CHUNKS) < N
+    assert plan_module.divergence_chunk_rows(N, V, SMALL_CHUNKS) < N
     _check(_inputs(torch.float32, bias=True), torch.float32, beta=beta, strategy=strategy, reduction=reduction,
            chunk_bytes=SMALL_CHUNKS, student_softcap=5.0, lp_grad=reduction == "none")
 
@@ -198,9 +200,9 @@ def test_bf16_weight_gradient(strategy, reduction, chunk_bytes, groups, small_gr
 
 @pytest.mark.parametrize("strategy,reduction", [("chunked", "mean"), ("recompute", "none")])
 def test_own_da_buffer(strategy, reduction, small_groups, monkeypatch):
-    """da in a buffer of its own (``divergence.plan_chunks``): four chunks of 8 rows fill a group of
+    """da in a buffer of its own (``plan.plan_divergence_chunks``): four chunks of 8 rows fill a group of
     32, whose gradient products run once; the ragged last group takes the rest."""
-    assert divergence.plan_chunks(N, V, OWN_DA_FP32, 4) == divergence.Chunks(8, 32)
+    assert plan_module.plan_divergence_chunks(N, V, OWN_DA_FP32, 4) == plan_module.DivergenceChunks(8, 32)
     calls = _count_groups(monkeypatch)
     _check(_inputs(torch.float32, bias=True), torch.float32, beta=0.3, strategy=strategy, reduction=reduction,
            chunk_bytes=OWN_DA_FP32, student_softcap=5.0, lp_grad=reduction == "none")
@@ -210,9 +212,9 @@ def test_own_da_buffer(strategy, reduction, small_groups, monkeypatch):
 def test_own_da_buffer_of_all_rows(small_groups, monkeypatch):
     """A budget whose da buffer holds all N rows: one group (its products once, grad_weight rounded
     once), and what the budget has left widens the chunks past 8 rows (fp16: 2-byte da)."""
-    budget = 8 * V * 12 + 2 * V * N
-    plan = divergence.plan_chunks(N, V, budget, 2)
-    assert plan.group == N and 8 < plan.rows < N and 8 * V * plan.rows + 2 * V * N <= budget
+    budget = LOGITS * V * 12 + 2 * V * N
+    plan = plan_module.plan_divergence_chunks(N, V, budget, 2)
+    assert plan.group == N and 8 < plan.rows < N and LOGITS * V * plan.rows + 2 * V * N <= budget
     calls = _count_groups(monkeypatch)
     _check(_inputs(torch.float16, bias=True), torch.float16, beta=0.7, chunk_bytes=budget, lp_grad=True)
     assert calls == [N, N]  # the forward's group, then the log-prob gradient's recompute
@@ -222,19 +224,19 @@ def test_plan_chunks(monkeypatch):
     """The plan at D1-like sizes on the GPU: a 16-bit da takes its own buffer where that buys fewer
     groups than da over the teacher's buffer; everything within the budget."""
     monkeypatch.setattr(divergence.device, "interpreted", lambda: False)
-    plan, v, mib = divergence.plan_chunks, 151936, 1 << 20
-    assert plan(8192, v, None, 2) == divergence.Chunks(256, 1184)  # 7 groups against 16 in place
-    assert plan(8192, v, 512 * mib, 2) == divergence.Chunks(256, 736)  # 12 against 19
-    assert plan(8192, v, 512 * mib, 4) == divergence.Chunks(432, 432)  # fp32 da: 371 rows alone, fewer
-    assert plan(8192, v, None, None) == divergence.Chunks(544, 544)  # values only
-    assert plan(300, v, None, 2) == divergence.Chunks(300, 300)  # one chunk
-    assert plan(8192, v, 4096 * mib, 2) == divergence.Chunks(1472, 8192)  # all rows' da; wider chunks
+    plan, v, mib = plan_module.plan_divergence_chunks, 151936, 1 << 20
+    assert plan(8192, v, None, 2) == plan_module.DivergenceChunks(256, 1184)  # 7 groups against 16 in place
+    assert plan(8192, v, 512 * mib, 2) == plan_module.DivergenceChunks(256, 736)  # 12 against 19
+    assert plan(8192, v, 512 * mib, 4) == plan_module.DivergenceChunks(432, 432)  # fp32 da: 371 rows alone, fewer
+    assert plan(8192, v, None, None) == plan_module.DivergenceChunks(544, 544)  # values only
+    assert plan(300, v, None, 2) == plan_module.DivergenceChunks(300, 300)  # one chunk
+    assert plan(8192, v, 4096 * mib, 2) == plan_module.DivergenceChunks(1472, 8192)  # all rows' da; wider chunks
     for n in (1000, 8192, 65536):
         for budget in (64 * mib, 512 * mib, 1024 * mib, 4096 * mib):
             for da in (None, 2, 4):
                 p = plan(n, v, budget, da)
-                assert 1 <= p.rows <= p.group <= n and (p.group == n or p.group % divergence.ROW_ALIGN == 0)
-                assert p.rows * v * 8 + (p.group * v * da if p.own_da else 0) <= budget or p.rows == 1
+                assert 1 <= p.rows <= p.group <= n and (p.group == n or p.group % plan_module.DIVERGENCE_ROW_ALIGN == 0)
+                assert p.rows * v * LOGITS + (p.group * v * da if p.own_da else 0) <= budget or p.rows == 1
 
 
 def test_mask_and_ignore_index():
@@ -341,6 +343,55 @@ def test_nothing_counted():
     total.backward()
     assert total == 0 and (inputs["student_weight"].grad == 0).all() and (inputs["student_hidden"].grad == 0).all()
     assert torch.isnan(fused_linear_divergence(**inputs, beta=0.3, mask=mask))
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+@pytest.mark.parametrize("nothing", ["mask", "ignore_index"])
+@pytest.mark.parametrize("denominator", ["mean", "num_items_0"])
+def test_nothing_counted_has_zero_gradients_over_no_rows(strategy, nothing, denominator):
+    """No row counted, divided by no rows ("mean") or by num_items_in_batch=0: the value is 0 / 0 =
+    NaN (as documented), every student gradient exactly 0 on both strategies, with a log-prob
+    gradient beside it too (the cross-entropy's rule; 0 x 1/0 in the products' epilogue would be
+    NaN). fp32 and fp16 (bf16 on the GPU) run the same host code."""
+    dtype = torch.float16 if nothing == "mask" else torch.float32
+    inputs = _inputs(dtype, bias=True)
+    kwargs = dict(beta=0.3, strategy=strategy, outputs=("log_probs",))
+    if nothing == "mask":
+        kwargs["mask"] = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    else:
+        inputs["targets"][:] = -100
+    if denominator == "num_items_0":
+        kwargs.update(reduction="sum", num_items_in_batch=0)
+    div, fields = fused_linear_divergence(**inputs, **kwargs)
+    assert torch.isnan(div)
+    (div + fields["log_probs"].float().sum()).backward()
+    for name in ("student_hidden", "student_weight", "student_bias"):
+        grad = inputs[name].grad
+        assert grad is not None and grad.dtype == dtype and (grad == 0).all(), name
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_chunked_second_backward_raises_the_losss_error(dtype):
+    """The chunked strategy scales its forward's gradients in place in the first backward (fp32 / bf16
+    ones, already in the leaves' dtype): a second backward through the same graph raises the loss's
+    clear error (``ops.check_spent``) naming fused_linear_divergence, before anything is written;
+    fp16's fp32 unit gradients are scaled into new tensors, so its second backward is the first's
+    again. strategy="recompute", which the message names, backwards the graph any number of times."""
+    inputs = _inputs(dtype, bias=True)
+    leaves = [inputs[k] for k in ("student_hidden", "student_weight", "student_bias")]
+    div = fused_linear_divergence(**inputs, beta=0.3, strategy="chunked")
+    first = [g.clone() for g in torch.autograd.grad(div, leaves, retain_graph=True)]
+    if dtype == torch.float16:
+        again = torch.autograd.grad(div, leaves, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+        return
+    with pytest.raises(RuntimeError, match=r'fused_linear_divergence: a second backward through the same graph '
+                                           r'\(retain_graph=True\) on the chunked path.*strategy="recompute"'):
+        torch.autograd.grad(div, leaves, retain_graph=True)
+    div = fused_linear_divergence(**inputs, beta=0.3, strategy="recompute")
+    for _ in range(2):
+        again = torch.autograd.grad(div, leaves, retain_graph=True)
+        assert all(rel_err(a, b) <= GRAD_TOL[dtype] for a, b in zip(again, first))
 
 
 @pytest.mark.parametrize("strategy", ["chunked", "recompute"])
@@ -469,7 +520,7 @@ def test_row_kernel_compiles_for_sm90_without_spills():
         pytest.skip(f"this Triton install has no ptxas / cuobjdump under {tools}")
     flags = [(0, True, True, False, True), (1, True, True, False, True), (2, True, False, False, True),
              (2, False, True, True, True), (0, False, True, True, False)]
-    cases = [(*f, block_v, warps) for f in flags for _, block_v, warps in divergence.ROW_LAUNCHES]  # every launch
+    cases = [(*f, block_v, warps) for f in flags for _, block_v, warps in configs.DIVERGENCE_ROW_LAUNCHES]  # every launch
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", SM90_SCRIPT, str(repo), json.dumps(cases)], env=env,
@@ -533,11 +584,11 @@ def test_gpu_bf16_realistic(beta, h_t):
 def test_gpu_memory_within_the_budget_and_flat_in_n():
     """The default "mean" step's extra memory (the peak during forward and backward beyond what was
     allocated before and the two gradients): within ``chunk_bytes`` (logit buffers and da's own
-    buffer, ``divergence.plan_chunks``: chunks of 256 rows in groups of 1024 here), grad_weight's
+    buffer, ``plan.plan_divergence_chunks``: chunks of 256 rows in groups of 1024 here), grad_weight's
     4-bit remainder, a group's fp32 grad_hidden product and 1 MiB of O(N) statistics, and the same
     at 4x the rows (2 and 8 groups)."""
     v, h_s, h_t, budget = 32768, 512, 768, 128 << 20
-    assert divergence.plan_chunks(8192, v, budget, 2) == divergence.Chunks(256, 1024)
+    assert plan_module.plan_divergence_chunks(8192, v, budget, 2) == plan_module.DivergenceChunks(256, 1024)
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = (torch.randn(v, h_s, device="cuda", generator=g) / h_s**0.5).bfloat16().requires_grad_()
     wt = (torch.randn(v, h_t, device="cuda", generator=g) / h_t**0.5).bfloat16()

@@ -190,3 +190,28 @@ def test_topk_bf16_on_gpu(k):
     (want * upstream.double()).sum().backward()
     for mine, ref in zip((h, w, b), leaves):
         assert rel_err(mine.grad, ref.grad) < GRAD_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_topk_only_kl_against_float64(dtype):
+    """docs/development.md's worked example: a KL over a teacher's top-k ids only, sum_j p_t (lt - ls),
+    the student's ls from ``topk=True`` and the rest plain torch on (N, k): its per-token values and
+    the student's gradients against float64 logits gathered at the same ids (padding: lt = -inf, p_t
+    = 0). bf16: the GPU run of this file's other cases covers the kernels it calls."""
+    k = 5
+    hidden, weight, ids, bias = _inputs(dtype, k)
+    g = torch.Generator().manual_seed(11)
+    lt = torch.log_softmax(torch.randn(N, k, generator=g), -1).to(DEVICE)
+    lt = torch.where(ids == -100, float("-inf"), lt)  # padding carries no teacher mass
+    p_t = lt.exp()
+    leaves = _leaves(hidden, weight, bias)
+    ls = fused_linear_logprobs(leaves[0], leaves[1], ids, bias=leaves[2], topk=True)["log_probs"]
+    kl = torch.where(p_t > 0, p_t * (lt - ls), 0.0).sum(-1)
+    up = torch.randn(N, generator=g).to(DEVICE)
+    (kl * up).sum().backward()
+    ls_ref, _, ref_leaves = _reference(hidden, weight, ids, bias)
+    kl_ref = torch.where(p_t > 0, p_t.double() * (lt.double() - ls_ref), 0.0).sum(-1)
+    (kl_ref * up.double()).sum().backward()
+    assert rel_err(kl, kl_ref) < 1e-5
+    for mine, ref in zip(leaves, ref_leaves):
+        assert rel_err(mine.grad, ref.grad) < GRAD_TOL[dtype]

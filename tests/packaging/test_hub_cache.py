@@ -13,18 +13,17 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
-import kernels.resolver
 import pytest
 import torch
 import torch.nn.functional as F
 from huggingface_hub import constants, get_cached_repo_tree, snapshot_download
 from hub_offline import build_hub_cache, guarded_env, hf_env, load_script, refuse_network
 from kernels import Metadata, get_kernel, has_kernel
-from kernels._versions import _get_available_versions_from_cache
+from kernels_api import KERNELS_CLI, resolver, versions
+from kernels_api import VERSION as KERNELS_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))["general"]["hub"]["repo-id"]
@@ -34,7 +33,6 @@ CACHE_FOLDER = "kernels--" + REPO_ID.replace("/", "--")  # kernels--trl-lib--fus
 TORCH_IS_CUDA_BUILD = torch.version.cuda is not None
 TORCH_IS_CPU_BUILD = torch.version.cuda is None and torch.version.hip is None
 HAS_GPU = torch.cuda.is_available()
-KERNELS_CLI = [sys.executable, "-c", "import sys; from kernels.cli import main; sys.argv[0] = 'kernels'; main()"]
 
 
 upload = load_script("upload")
@@ -68,7 +66,8 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(constants, "HF_HOME", str(home))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(kernels.resolver, "CACHE_DIR", None)  # KERNELS_CACHE unset: the HF hub cache
+    if hasattr(resolver, "CACHE_DIR"):  # 0.17 reads KERNELS_CACHE at import time, 0.19 on each call
+        monkeypatch.setattr(resolver, "CACHE_DIR", None)  # KERNELS_CACHE unset: the HF hub cache
     refuse_network(monkeypatch)
     return home / "hub"
 
@@ -78,8 +77,8 @@ def test_cache_layout_is_what_the_libraries_read(hub_cache):
     commit, snapshot = build_hub_cache(hub_cache, REPO_ID, files, ref=BRANCH)
     assert snapshot == hub_cache / CACHE_FOLDER / "snapshots" / commit
     assert (hub_cache / CACHE_FOLDER / "refs" / BRANCH).read_text() == commit
-    versions = _get_available_versions_from_cache(REPO_ID)
-    assert list(versions) == [VERSION] and versions[VERSION].target_commit == commit
+    available = versions._get_available_versions_from_cache(REPO_ID)
+    assert list(available) == [VERSION] and available[VERSION].target_commit == commit
     assert snapshot_download(REPO_ID, repo_type="kernel", revision=BRANCH, local_files_only=True) == str(snapshot)
     listed = get_cached_repo_tree(REPO_ID, repo_type="kernel", revision=BRANCH)
     assert sorted(f.path for f in listed) == sorted(files)
@@ -125,40 +124,51 @@ def test_kernels_info_cli_offline(tmp_path):
     def kernels_cli(*args):
         return subprocess.run([*KERNELS_CLI, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
-    # The cached snapshot, given as a path: answered from disk.
-    local = kernels_cli("info", str(snapshot), "--json")
+    # The cached snapshot, given as a path: answered from disk. 0.19 resolves a variant for this machine
+    # first (a CPU-only torch has none in the snapshot), so there it is given the variant folder.
+    path = snapshot if KERNELS_VERSION < (0, 19) or TORCH_IS_CUDA_BUILD else snapshot / "build" / "torch-cuda"
+    local = kernels_cli("info", str(path), "--json")
     assert local.returncode == 0, local.stderr
     meta = json.loads(files["build/torch-cuda/metadata.json"])
-    assert json.loads(local.stdout) == {
-        "path": str(snapshot),
+    expected = {
+        "path": str(path),
         "name": meta["name"],
         "version": meta["version"],
-        "kernels_minver": None,
+        "kernels_minver": meta["kernels-minver"],
         "license": meta["license"],
-        "upstream": None,
-        "source": None,
+        "upstream": meta["upstream"],
+        "source": meta["source"],
         "python_depends": [],
         "backends": ["cuda"],
     }
+    info = json.loads(local.stdout)
+    assert {key: info.get(key) for key in expected} == expected
+    assert set(info) - set(expected) <= {"variant", "kernel_depends"}  # 0.19 adds these two
     # The repo id: the version resolves from refs/v1, but listing the variants is a Hub call
     # (`HfApi.list_repo_tree`), which offline mode refuses before any socket is opened.
+    # 0.19 answers it from the cache (its HubCacheResolver), choosing this machine's variant.
     remote = kernels_cli("info", REPO_ID, "--version", str(VERSION))
-    assert remote.returncode != 0
-    assert "offline mode is enabled" in remote.stderr, remote.stderr[-2000:]
     assert "network access refused" not in remote.stderr
+    if KERNELS_VERSION < (0, 19):
+        assert remote.returncode != 0
+        assert "offline mode is enabled" in remote.stderr, remote.stderr[-2000:]
+    elif TORCH_IS_CUDA_BUILD:
+        assert remote.returncode == 0 and f"Minimum kernels version: {meta['kernels-minver']}" in remote.stdout
+    else:
+        assert remote.returncode != 0 and variant_refusal(commit) in remote.stderr, remote.stderr[-2000:]
 
 
 @pytest.mark.parametrize("extra", [False, True], ids=["branch-is-build-only", "branch-has-gitattributes"])
 def test_cache_left_by_an_online_get_kernel(hub_cache, extra):
     """An online get_kernel(version=1) downloads by commit hash (no refs/v1) and only build/<variant>/*,
     while huggingface_hub records the whole branch listing. Offline, version=1 then cannot resolve, and
-    revision=<commit> works only if the branch holds nothing but what was downloaded."""
+    revision=<commit> works (0.17: only if the branch holds nothing but what was downloaded)."""
     files = {p: d for p, d in branch_files().items() if extra or p.startswith("build/")}
     downloaded = sorted(p for p in files if p.startswith("build/torch-cuda/"))
     commit, _ = build_hub_cache(hub_cache, REPO_ID, files, ref=None, downloaded=downloaded)
     with pytest.raises(ValueError, match=f"Version {VERSION} of '{REPO_ID}' is not available in the local cache"):
         get_kernel(REPO_ID, version=VERSION)
-    if extra:
+    if extra and KERNELS_VERSION < (0, 19):  # 0.19 takes the snapshot although the listing names more
         with pytest.raises(FileNotFoundError, match=re.escape(f"Cannot find a local snapshot for {REPO_ID}")):
             get_kernel(REPO_ID, revision=commit)
         assert has_kernel(REPO_ID, revision=commit) is False

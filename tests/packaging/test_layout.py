@@ -1,4 +1,4 @@
-"""The repo is a valid Hub kernel for `kernels` 0.17: build.toml, both metadata.json files and build/.
+"""The repo is a valid Hub kernel for `kernels` 0.17.2 and 0.19.1: build.toml, both metadata.json files and build/.
 
 Files are validated with the loader's own Rust parser (`kernels._rust`), not a copy of its rules.
 """
@@ -26,14 +26,14 @@ METADATA_FILES = {"top-level": REPO / "metadata.json", "build": VARIANT / "metad
 ID_PATTERN = re.compile(r"_fused_linear_ce_cuda_[0-9a-f]{7}")
 
 
-def _load_sync_build():
-    spec = importlib.util.spec_from_file_location("sync_build", REPO / "scripts" / "sync_build.py")
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-sync_build = _load_sync_build()
+sync_build, symbols = _load_script("sync_build"), _load_script("symbols")
 
 
 def _build_toml() -> dict:
@@ -120,8 +120,10 @@ def test_sync_build_is_deterministic():
     first = sync_build.expected_files(REPO)
     assert first == sync_build.expected_files(REPO)
     for rel, data in first.items():
-        if rel.endswith(".json"):
+        if rel.endswith("metadata.json"):
             assert data.endswith(b"\n") and data == sync_build.render_metadata(json.loads(data))
+        elif rel.endswith(".json"):  # symbols.json keeps kernel-builder's key order
+            assert data.endswith(b"\n") and data == symbols.render(json.loads(data))
 
 
 # --- build.toml and metadata.json, through kernels' own parser --------------------------------------
@@ -152,6 +154,19 @@ def test_build_toml_and_metadata_agree(metadata_path):
     assert meta.license == general["license"] == "apache-2.0"
     assert [raw["backend"]["type"]] == general["backends"] == ["cuda"]
     assert Build.open(REPO).general.backends == [meta.backend.backend_type]
+
+
+def test_minver_upstream_and_source(metadata_path):
+    """What `kernels info` (0.19) shows: the oldest kernels the tests run under (the requirements pin,
+    kernels' MinverValidator refuses older ones), and the project's public home (the Hub repo, whose
+    branches hold the sources the loader runs) as both the upstream and the kernel-builder source
+    (build.toml's [general] keys, which kernel-builder copies over)."""
+    meta = Metadata.read_from_file(metadata_path)
+    pins = re.findall(r"^kernels==([0-9.]+)$", (REPO / "requirements-test.txt").read_text(), re.M)
+    assert pins and str(meta.kernels_minver) == pins[0]
+    general = _build_toml()["general"]
+    assert meta.upstream == meta.source == general["upstream"] == general["source"]
+    assert meta.source == f"https://huggingface.co/{general['hub']['repo-id']}"
 
 
 def test_python_depends_is_empty(metadata_path):

@@ -1,9 +1,10 @@
-"""Loads the kernel through the real `kernels` 0.17 loader, the three ways users and CI do.
+"""Loads the kernel through the real `kernels` loader (0.17.2 and 0.19.1), the three ways users and CI do.
 
 (a) `get_local_kernel(repo / "build" / "torch-cuda")`: the variant folder itself; loads on any machine.
 (b) `get_local_kernel(repo)`: variant resolution. A CUDA torch picks `build/torch-cuda`; a CPU-only torch
     rejects that variant, then takes the repo root as the variant folder because the top-level
-    metadata.json is valid, and fails with "No kernel module found at: `<repo>`".
+    metadata.json is valid, and fails: 0.17 with "No kernel module found at: `<repo>`", 0.19 because the
+    root's files do not match the digest.
 (c) `get_kernel("trl-lib/fused-linear-ce", version=1)` with `LOCAL_KERNELS="trl-lib/fused-linear-ce=<path>"`:
     resolved from disk before the Hub is consulted; `version` (or `revision`) must still be given but is
     not compared with anything; `trust_remote_code` is not checked. `<path>` goes through (b)'s
@@ -21,11 +22,12 @@ import shutil
 import tomllib
 from pathlib import Path
 
-import kernels.resolver
 import pytest
 import torch
 import torch.nn.functional as F
 from kernels import Metadata, get_kernel, get_loaded_kernels, get_local_kernel
+from kernels_api import VERSION as KERNELS_VERSION
+from kernels_api import resolver
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANT = REPO / "build" / "torch-cuda"
@@ -45,8 +47,17 @@ def no_hub(monkeypatch):
     def refuse(self, **kwargs):
         raise AssertionError(f"loader consulted the Hub for {kwargs['kernel'].repo_id}")
 
-    monkeypatch.setattr(kernels.resolver.HubResolver, "resolve", refuse)
-    monkeypatch.setattr(kernels.resolver.HubCacheResolver, "resolve", refuse)
+    monkeypatch.setattr(resolver.HubResolver, "resolve", refuse)
+    monkeypatch.setattr(resolver.HubCacheResolver, "resolve", refuse)
+
+
+def _repo_root_refusal():
+    """What a CPU-only torch says to the repo root: it rejects `build/torch-cuda`, then takes the root
+    itself as the variant folder (its metadata.json is valid). 0.17 finds no module there; 0.19 first
+    checks the root's files against the digest, which lists the variant's files, and refuses."""
+    if KERNELS_VERSION >= (0, 19):
+        return pytest.raises(RuntimeError, match="the files do not match the digest in the metadata")
+    return pytest.raises(FileNotFoundError, match=re.escape(f"No kernel module found at: `{REPO}`"))
 
 
 def _loaded_metadata(module) -> Metadata:
@@ -97,7 +108,7 @@ def test_repo_root_loads_on_cuda_torch_and_is_refused_on_cpu_torch(no_hub):
         # `build/torch-cuda` is picked; same variant path, so the loader hands back the same module.
         assert get_local_kernel(REPO) is get_local_kernel(VARIANT)
     else:
-        with pytest.raises(FileNotFoundError, match=re.escape(f"No kernel module found at: `{REPO}`")):
+        with _repo_root_refusal():
             get_local_kernel(REPO)
 
 
@@ -125,7 +136,7 @@ def test_get_kernel_via_local_kernels_repo_root(monkeypatch, no_hub):
     if TORCH_IS_CUDA_BUILD:
         assert get_kernel(HUB_REPO_ID, version=VERSION) is get_local_kernel(VARIANT)
     else:
-        with pytest.raises(FileNotFoundError, match=re.escape(f"No kernel module found at: `{REPO}`")):
+        with _repo_root_refusal():
             get_kernel(HUB_REPO_ID, version=VERSION)
 
 

@@ -146,6 +146,10 @@ def test_publish_uses_our_upload_script_and_a_secret_token():
 # --- the drift check --------------------------------------------------------------------------------
 
 
+def meta_id(variant: Path) -> str:
+    return json.loads((variant / "metadata.json").read_text())["id"]
+
+
 def fake_nix_result(tmp_path: Path) -> Path:
     """What genKernelFlakeOutputs' bundle holds for our build/: variant copy plus its own files."""
     result = tmp_path / "result"
@@ -154,7 +158,11 @@ def fake_nix_result(tmp_path: Path) -> Path:
             shutil.copytree(variant, result / variant.name, ignore=shutil.ignore_patterns("__pycache__"))
             meta = json.loads((variant / "metadata.json").read_text())
             meta.update(id="_fused_linear_ce_cuda_0123abc", digest="sha256-xyz", provenance={"dirty": False})
+            meta["kernels-minver"] = "0.17"  # kernel-builder may ask for less than we declare
             (result / variant.name / "metadata.json").write_text(json.dumps(meta))
+            # kernel-builder's symbols.json: the same symbols, imported under its own module name.
+            ours = (variant / "symbols.json").read_text()
+            (result / variant.name / "symbols.json").write_text(ours.replace(meta_id(variant), "fused_linear_ce"))
             (result / variant.name / "_ops.py").write_text("ops = None\n")
             (result / variant.name / "fused_linear_ce").mkdir(exist_ok=True)  # build/ has its own
             (result / variant.name / "fused_linear_ce" / "__init__.py").write_text("# compat\n")
@@ -178,12 +186,19 @@ def test_drift_check_reports_drift(tmp_path):
     (variant / "new_module.py").write_text("x = 1\n")
     meta = json.loads((variant / "metadata.json").read_text())
     meta["license"] = "mit"
+    meta["kernels-minver"] = "0.99"
     (variant / "metadata.json").write_text(json.dumps(meta))
+    symbols = json.loads((variant / "symbols.json").read_text())
+    symbols["layers"][0]["attributes"]["has_backward"] = False
+    (variant / "symbols.json").write_text(json.dumps(symbols))
     (result / "torch29-cxx11-cu128-x86_64-linux").mkdir()
+    minver = json.loads((REPO / "metadata.json").read_text())["kernels-minver"]
     assert compare_nix_build.compare(result, REPO) == [
         "variant only in the Nix build: torch29-cxx11-cu128-x86_64-linux",
         "differs: torch-cuda/api.py",
+        f"torch-cuda/metadata.json: kernels-minver is '0.99' in the Nix build, {minver!r} here",
         "torch-cuda/metadata.json: license is 'mit' in the Nix build, 'apache-2.0' here",
+        "differs: torch-cuda/symbols.json (beyond the package name)",
         "only in the Nix build: torch-cuda/new_module.py",
     ]
     (variant / "validate.py").unlink()

@@ -8,7 +8,7 @@ from . import ops
 from .validate import Options, check_flag, check_inputs, check_process_group, is_master_weight
 
 
-def _autocast(hidden, weight, bias, keep_fp32_weight=False):
+def autocast_head(hidden, weight, bias, keep_fp32_weight=False):
     """Under torch.autocast, the operands go in the autocast dtype as F.linear's would (fp32
     accumulation either way); the casts are differentiable, so gradients reach the parameters in
     their own dtype. ``keep_fp32_weight`` (the loss): an fp32 weight stays fp32 when the autocast
@@ -26,7 +26,7 @@ def _autocast(hidden, weight, bias, keep_fp32_weight=False):
     return cast(hidden), weight if keep else cast(weight), cast(bias)
 
 
-def _shift(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def shift_targets(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Targets for causal LM: position t predicts t + 1 along the last dim; the last gets ignore_index.
     Only the targets move (O(N) integers); hidden is used as it is."""
     pad = targets.new_full((*targets.shape[:-1], 1), ignore_index)
@@ -160,7 +160,7 @@ def fused_linear_cross_entropy(
         chunk_bytes=chunk_bytes,
         strategy=strategy,
     )
-    hidden, weight, bias = _autocast(hidden, weight, bias, keep_fp32_weight=True)
+    hidden, weight, bias = autocast_head(hidden, weight, bias, keep_fp32_weight=True)
     check_flag("shift", shift)
     check_inputs(hidden, weight, targets, bias, opts, class_weight, num_items_in_batch,
                  master_weight=isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type))
@@ -170,16 +170,13 @@ def fused_linear_cross_entropy(
     # int32 targets are compared with ignore_index (any int64) and class ids in int64: an O(N) copy.
     targets = targets.to(torch.int64)
     if shift and targets.ndim > 0 and targets.shape[-1] > 0:
-        targets = _shift(targets, ignore_index)
+        targets = shift_targets(targets, ignore_index)
     if class_weight is not None:
         class_weight = class_weight.to(torch.float32).contiguous()
     divisor = None
     if num_items_in_batch is not None:
         opts = replace(opts, reduction="sum")
-        if isinstance(num_items_in_batch, torch.Tensor):
-            divisor = num_items_in_batch.to(device=hidden.device, dtype=torch.float32)
-        else:  # a fill, not a host-to-device copy: no sync, and CUDA-graph capturable
-            divisor = torch.full((), float(num_items_in_batch), device=hidden.device)
+        divisor = ops.count_tensor(num_items_in_batch, hidden.device)
     rows = hidden.reshape(targets.numel(), hidden.shape[-1])  # not reshape(-1, H): H may be 0
     loss, sums, lse, *_ = ops.apply(rows, weight, targets.reshape(-1), bias, class_weight, opts, process_group, divisor)
     if reduction == "none":

@@ -54,13 +54,14 @@ from .validate import Options, chunked_unsupported
 
 
 def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool = False,
-        sharded: bool = False) -> bool:
+        sharded: bool = False, where: torch.device | None = None) -> bool:
     """Whether this call takes the chunked path: only when a gradient is wanted; always with
     strategy="chunked" (validated), never with "recompute"; with "auto" when the options allow it
     and either the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk, no fp32 accumulator), or
     the weight is an fp32 master weight (``master``: its fp32 gradient is the accumulator, so any
     number of chunks costs only the chunk's buffer), or the call is long context
-    (``long_context_budget``). ``sharded``: a vocabulary shard (``process_group``)."""
+    (``long_context_budget``). ``sharded``: a vocabulary shard (``process_group``); ``where``: the
+    device (its family's tiles, ``configs.family``)."""
     if not any(needs) or opts.strategy == "recompute":
         return False
     if opts.strategy == "chunked":
@@ -69,7 +70,7 @@ def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master
         return False
     return (master or whole_fits(opts, n, v, dtype)
             or hosted_slab_rows(opts, n, v, h, dtype, needs[1], master) is not None
-            or long_context_budget(opts, n, v, h, dtype, needs, master, sharded) is not None)
+            or long_context_budget(opts, n, v, h, dtype, needs, master, sharded, where) is not None)
 
 
 def whole_fits(opts: Options, n: int, v: int, dtype: torch.dtype) -> bool:
@@ -90,7 +91,7 @@ def hosted_slab_rows(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, 
 
 
 def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool,
-                        sharded: bool) -> int | None:
+                        sharded: bool, where: torch.device | None = None) -> int | None:
     """The chunk budget when "auto" takes the chunked path for long context, else None: bf16 (not
     an fp32 master weight, not a vocabulary shard), options the chunked path takes, more than one
     chunk, and a shape at which the recompute path's default would hold no fp32 accumulator
@@ -107,7 +108,7 @@ def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtyp
             or whole_fits(opts, n, v, dtype)):
         return None
     need_dx, need_dw, need_db = needs
-    cfg = configs.dlogits_config(dtype, h=h)
+    cfg = configs.dlogits_config(dtype, h=h, where=where)
     passes = plan.plan_passes(n, v, h, dtype, None, cfg.block_n, cfg.block_v, need_dx or need_db, need_dw,
                               may_pair=True)
     if len(passes) == 1 and not passes[0].paired:
@@ -145,7 +146,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
                  torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
         return (stats, *zeros)
     master = dw_dtype == torch.float32 and dtype != torch.float32
-    lean = long_context_budget(opts, n, v, h, dtype, (need_dx, need_dw, need_db), master, shard is not None)
+    lean = long_context_budget(opts, n, v, h, dtype, (need_dx, need_dw, need_db), master, shard is not None, where)
     # One chunk of all rows in grad_weight's own memory where it fits there (``hosted_slab_rows``).
     slab = None if lean is not None else hosted_slab_rows(opts, n, v, h, dtype, need_dw, master)
     budget = opts.chunk_bytes if lean is None else lean
@@ -157,6 +158,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
             dw_dtype=dw_dtype),
             budget, shard,
             variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
+        cfg = configs.chunked_epilogue(cfg, opts.softcap is not None, bias is not None)
     rows = n if slab is not None else plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
     dw_type = weight_grad_dtype(dtype, dw_dtype or dtype)  # grad_weight's
     # Several chunks: the first one larger, in grad_weight's own memory (``plan.hosted_head``).
@@ -226,7 +228,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         coef, chunk_common = losses.normalize(coef, common, all_rows_b)
         chunk_unscale = chunk_common.reshape(1)
         if dtype == torch.float16:  # da scaled out of fp16's subnormals; the products undo it in fp32
-            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales()[3])
+            coef, chunk_unscale = losses.lift_fp16(coef, chunk_unscale, class_weight, opts.kernel_scales().grad_scale)
         da = gradient_in_place(e, tile_stats, stats, coef, targets[sl], class_weight, dbias, opts, shard, cfg)
         # Spent: where they did not fit in grad_hidden the next chunk's sweep would allocate its own
         # while these are still held, twice the statistics at the peak.

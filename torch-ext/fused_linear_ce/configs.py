@@ -13,17 +13,18 @@ the device can do is ``device.py``. Their public names are re-exported here, whe
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from . import device
 from .device import fp_fusion, input_precision, interpreted, sm_count, tma_hardware, tma_layout  # re-exported
 from .plan import (  # re-exported
-    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
+    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_DIVERGENCE_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
     vocab_splits,
 )
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_PAIRED_BYTES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "borrows_weight_grad", "candidates", "chunk_budget", "chunk_rows", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES", "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad", "candidates", "chunked_epilogue", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
     "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
     "tma_layout", "vocab_splits",
 ]
@@ -139,6 +140,53 @@ _TUNED = {
     "chunked": ((1024, "_GPU_CHUNKED_SWEEP_SMALL_H"), (None, "_GPU_CHUNKED_SWEEP")),
     "dlogits": ((None, "_GPU_DLOGITS"),),
 }
+
+# The other families' tables (``device.FAMILIES``), chosen offline by compiling every configuration
+# the package launches for that target under Triton 3.6 and 3.9 (``scripts/registers.py --arch``,
+# held by tests/kernel/test_arch_matrix.py): each fits the family's per-block shared memory and
+# spills at most 256 bytes a thread. Not timed on those GPUs (none was at hand): ``autotune`` tunes
+# for the exact shape there, and benchmarks/NOTES.md has the compile figures.
+# Below sm_90 there is no TMA (``device.tma_hardware``): pointer loads, mma.sync, and an epilogue
+# whose 2-D tiles of pointers cost registers the descriptors did not.
+# sm80 (A100: 163 KB a block, no TMA) and sm86 (A10G, L4, RTX 3090 / 4090, L40S: 99 KB): 128 x 128
+# logit tiles with 8 warps, 3 stages (128 x 256 spill 0.9 KB with pointer loads; 4 stages 264 bytes
+# under Triton 3.9 with every per-token field); the chunked sweep 128 x 64 with 8 warps (128 x 128
+# spilled 320 bytes with the metrics, 64 x 256 360, 128 x 64 with 4 warps 416 on sm_86 under 3.9);
+# every product 128 x 128 with 8 warps (the pair's pointer epilogue at 128 x 256 spilled 3.3 KB, 48
+# bytes here).
+_SM80_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM80_CHUNKED = TileConfig(block_n=128, block_v=64, block_h=64, group_m=16, num_warps=8, num_stages=3)
+_SM80_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+# sm100 (B200, B300: 227 KB, TMA, tcgen05): sm90's tables but for both sweeps, 128 x 128 with 8 warps
+# (sm90's 128 x 256 spill 1.1 KB in the chunked sweep with a softcap and a bias; under Triton 3.9
+# 0.6-2 KB in the sweep with the metrics), and the sums into a pair, 128 x 128 (0.5-0.6 KB at 128 x 256). Its class-major buffer (hosted in grad_weight) is stored through
+# pointers (``transposed_store_tma``): the transposed tile through a descriptor fails to compile
+# there at every tile tried (Triton 3.6's TMEM layout pass, ``PassManager::run failed``); by pointers
+# 0 bytes of stack.
+_SM100_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM100_CHUNKED = replace(_SM100_SWEEP, group_m=16)
+_SM100_PAIR = replace(_GPU_MATMUL_PAIRED_ROWS)
+# sm120 (RTX 5090, RTX PRO 6000: 99 KB a block, TMA, mma.sync): 128 x 128 tiles with 8 warps
+# everywhere (sm90's chunked sweep needs 160 KB, its fp32 sums 128 KB).
+_SM120_TILES = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM120_CHUNKED = replace(_SM120_TILES, group_m=16)
+_SM120_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3, c_tma=True,
+                             split_pair=True)
+FAMILY_TABLES = {
+    "sm80": dict(tuned={"sweep": ((None, "_SM80_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
+                        "dlogits": ((None, "_SM80_SWEEP"),)},
+                 matmul="_SM80_MATMUL", paired_rows="_SM80_MATMUL"),
+    "sm86": dict(tuned={"sweep": ((None, "_SM80_SWEEP"),), "chunked": ((None, "_SM80_CHUNKED"),),
+                        "dlogits": ((None, "_SM80_SWEEP"),)},
+                 matmul="_SM80_MATMUL", paired_rows="_SM80_MATMUL"),
+    "sm90": dict(tuned=_TUNED, matmul="_GPU_MATMUL", paired_rows="_GPU_MATMUL_PAIRED_ROWS"),
+    "sm100": dict(tuned=dict(_TUNED, sweep=((None, "_SM100_SWEEP"),), chunked=((None, "_SM100_CHUNKED"),)),
+                  matmul="_GPU_MATMUL",
+                  paired_rows="_GPU_MATMUL_PAIRED_ROWS", compensated="_SM100_PAIR", transposed_store_tma=False),
+    "sm120": dict(tuned={"sweep": ((None, "_SM120_TILES"),), "chunked": ((None, "_SM120_CHUNKED"),),
+                         "dlogits": ((None, "_SM120_TILES"),)},
+                  matmul="_SM120_MATMUL", paired_rows="_SM120_MATMUL"),
+}
 ROLES = tuple(_TUNED)
 
 # The per-token sweep of log-probs alone as a ping-pong kernel on Hopper (``pingpong.py``), for H up
@@ -155,27 +203,71 @@ def pingpong(h: int) -> PingpongConfig | None:
     return _GPU_PINGPONG if h <= _GPU_PINGPONG.max_h else None
 
 
-def tiles(role: str, dtype: torch.dtype, h: int | None = None) -> TileConfig:
-    """The tuned tiles of one logit kernel (``role``: "sweep" the forward's vocabulary sweep,
-    "chunked" the chunked path's sweep and its in-place gradient kernel, "dlogits" the recompute
-    backward's) for hidden size ``h`` (None: the largest bucket). The interpreter and fp32 have one
-    configuration each."""
-    if device.interpreted():
-        return _CPU_SWEEP
+# Triton after 3.6 (the one sm_90's tables were measured with) compiles some of them with more spills
+# (offline, Triton 3.9.0 for sm_90: the chunked sweep 424 bytes, 960 with a softcap and a bias; the
+# per-token sweep 464): there sm_90 takes 128 x 128 tiles with 8 warps for both sweeps (0 and 8 bytes
+# under 3.9), not timed. Every other family's tables hold under both (tests/kernel/test_arch_matrix.py,
+# scripts/registers_matrix.sh).
+MEASURED_TRITON = (3, 6)
+_SM90_NEWER_TRITON = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
+_SM90_NEWER_TRITON_CHUNKED = replace(_SM90_NEWER_TRITON, group_m=16)
+NEWER_TRITON_TABLES = {
+    "sm90": dict(FAMILY_TABLES["sm90"], tuned=dict(
+        _TUNED, sweep=((None, "_SM90_NEWER_TRITON"),),
+        chunked=((1024, "_GPU_CHUNKED_SWEEP_SMALL_H"), (None, "_SM90_NEWER_TRITON_CHUNKED")))),
+}
+
+
+def triton_version() -> tuple[int, int]:
+    """The installed Triton's (major, minor)."""
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in triton.__version__.split(".")[:2])
+    return major, minor
+
+
+def table(name: str) -> dict:
+    """Family ``name``'s tables for the installed Triton (``NEWER_TRITON_TABLES`` after
+    ``MEASURED_TRITON``)."""
+    if triton_version() > MEASURED_TRITON and name in NEWER_TRITON_TABLES:
+        return NEWER_TRITON_TABLES[name]
+    return FAMILY_TABLES[name]
+
+
+def family(where) -> str:
+    """The configuration family of ``where``: a ``torch.device`` (``device.family``), a family name
+    (``device.FAMILIES``) or None (sm_90's tables, the measured ones)."""
+    if isinstance(where, str):
+        if where not in FAMILY_TABLES:
+            raise ValueError(f"unknown configuration family {where!r}; known: {sorted(FAMILY_TABLES)}")
+        return where
+    return device.family(where)
+
+
+def family_tiles(role: str, dtype: torch.dtype, h: int | None, name: str) -> TileConfig:
+    """The GPU tiles of ``role`` in family ``name``'s table (``tiles`` without the interpreter's)."""
     if dtype == torch.float32:
         return _GPU_SWEEP_FP32
-    for h_max, name in _TUNED[role]:
+    for h_max, attr in table(name)["tuned"][role]:
         if h_max is None or (h is not None and h <= h_max):
-            return globals()[name]
+            return globals()[attr]
     raise AssertionError(f"no bucket of {role!r} takes h={h}")  # the last bucket is open-ended
 
 
-def candidates(role: str, dtype: torch.dtype, h: int | None = None) -> tuple[TileConfig, ...]:
+def tiles(role: str, dtype: torch.dtype, h: int | None = None, *, where=None) -> TileConfig:
+    """The tuned tiles of one logit kernel (``role``: "sweep" the forward's vocabulary sweep,
+    "chunked" the chunked path's sweep and its in-place gradient kernel, "dlogits" the recompute
+    backward's) for hidden size ``h`` (None: the largest bucket) on ``where``'s family (``family``;
+    None: sm_90). The interpreter and fp32 have one configuration each."""
+    if device.interpreted():
+        return _CPU_SWEEP
+    return family_tiles(role, dtype, h, family(where))
+
+
+def candidates(role: str, dtype: torch.dtype, h: int | None = None, *, where=None) -> tuple[TileConfig, ...]:
     """What opt-in autotuning (``autotune``) times for ``role``: the tuned tiles first, then their
     neighbours (variants measured on the H200; a candidate that does not fit a GPU's shared
     memory is skipped there). fp32 keeps its one configuration; the interpreter gets three (narrower
     and taller tiles), so that CPU tests exercise the choice."""
-    base = tiles(role, dtype, h)
+    base = tiles(role, dtype, h, where=where)
     if device.interpreted():
         return (base, replace(base, block_v=base.block_v // 2), replace(base, block_n=2 * base.block_n))
     if dtype == torch.float32:
@@ -197,24 +289,85 @@ def candidates(role: str, dtype: torch.dtype, h: int | None = None) -> tuple[Til
     return tuple(out)
 
 
-def sweep_config(dtype: torch.dtype, *, chunked: bool = False, h: int | None = None) -> TileConfig:
+def chunked_epilogue(cfg: TileConfig, softcap: bool, bias: bool) -> TileConfig:
+    """The chunked sweep's tiles for a call with both a softcap and a bias: its epilogue keeps the bias
+    tile and the softcap's tanh derivative live beside the logits, so 128 x 256 tiles with two
+    warpgroups spill 808 B a thread (sm_90, Triton 3.6, ``scripts/registers.py``); 128 x 128 with the
+    same warps spill none. Other calls keep ``cfg``. Not timed: the pairing is rare (Gemma-2's softcap
+    comes without a bias)."""
+    if softcap and bias and cfg.block_v > 128:
+        return replace(cfg, block_v=128)
+    return cfg
+
+
+def sweep_config(dtype: torch.dtype, *, chunked: bool = False, h: int | None = None, where=None) -> TileConfig:
     """The sweep's tiles; ``chunked``: the chunked path's (its in-place gradient kernel uses the
     same tiles, one tile max per row of each). ``h``: the hidden size (``tiles``)."""
-    return tiles("chunked" if chunked else "sweep", dtype, h)
+    return tiles("chunked" if chunked else "sweep", dtype, h, where=where)
 
 
-def dlogits_config(dtype: torch.dtype, *, h: int | None = None) -> TileConfig:
+def dlogits_config(dtype: torch.dtype, *, h: int | None = None, where=None) -> TileConfig:
     """The recompute backward's tiles: its dlogits kernel's, and the granularity of its plan's blocks
     (``plan_passes``) and bias partial sums."""
-    return tiles("dlogits", dtype, h)
+    return tiles("dlogits", dtype, h, where=where)
 
 
-def matmul_config(dtype: torch.dtype, *, role: str = "product") -> MatmulConfig:
-    """The Triton matmul's config for ``dtype``. ``role="paired_rows"``: the recompute path's paired
-    plan's grad_hidden product (``BackwardPlan.paired``: all N rows by one vocabulary block into the
-    bf16 + int8 pair), which has its own 16-bit config."""
-    if device.interpreted():
-        return _CPU_MATMUL
+MATMUL_ROLES = ("product", "paired_rows", "compensated")
+
+
+def family_matmul(dtype: torch.dtype, role: str, name: str) -> MatmulConfig:
+    """The GPU matmul config of ``role`` in family ``name``'s table (``matmul_config`` without the
+    interpreter's)."""
+    if role not in MATMUL_ROLES:
+        raise ValueError(f"unknown matmul role {role!r}; known: {MATMUL_ROLES}")
     if dtype == torch.float32:
         return _GPU_MATMUL_FP32
-    return _GPU_MATMUL_PAIRED_ROWS if role == "paired_rows" else _GPU_MATMUL
+    tables = table(name)
+    return globals()[tables.get(role, tables["matmul"])]
+
+
+def matmul_config(dtype: torch.dtype, *, role: str = "product", where=None) -> MatmulConfig:
+    """The Triton matmul's config for ``dtype`` on ``where``'s family (``family``; None: sm_90).
+    ``role="paired_rows"``: the recompute path's paired plan's grad_hidden product
+    (``BackwardPlan.paired``: all N rows by one vocabulary block into the bf16 + int8 pair), which has
+    its own 16-bit config; ``role="compensated"``: any other sum into a compensated pair (the
+    ``product`` config unless the family's table names its own)."""
+    if device.interpreted():
+        return _CPU_MATMUL
+    return family_matmul(dtype, role, family(where))
+
+
+# The divergence's row kernel on a GPU (``divergence_kernel.py``): one row a program, its vocabulary
+# in blocks of BLOCK_V classes with num_warps warps, by the programs each SM gets
+# (``divergence_row_config``): (most programs an SM, BLOCK_V, warps), the first that takes them.
+# H200, bf16, the row kernel with da at D1 / D2 in chunks of 256, 432 / 512 and 8192 rows
+# (``benchmarks/experiments/experiment_distill_rows.py``): few rows a chunk leave each SM one or two
+# long programs, and larger blocks keep more bytes in flight (D1 beta = 1, ms for all N rows: 256
+# rows 14.0 with 1024 / 4 against 7.0 with 4096 / 16; 432 rows 9.4 against 7.1 with 2048 / 8; all
+# rows 5.6 with 1024 / 4 against 5.4 / 6.2, and at beta = 0.5 8.9 against 9.4 / 11.1).
+DIVERGENCE_ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
+
+
+def transposed_store_tma(where) -> bool:
+    """Whether the chunked sweep stores a class-major buffer's transposed tiles through a TMA
+    descriptor on ``where``'s family (``family``), else through pointers."""
+    return table(family(where)).get("transposed_store_tma", True)
+
+
+def divergence_launches(name: str) -> tuple:
+    """Family ``name``'s row-kernel launches (``DIVERGENCE_ROW_LAUNCHES`` unless its table names its own)."""
+    return globals()[table(name).get("divergence_rows", "DIVERGENCE_ROW_LAUNCHES")]
+
+
+def divergence_row_config(r: int, v: int, where: torch.device) -> tuple[int, int, int]:
+    """The divergence row kernel's (BLOCK_N, BLOCK_V, num_warps) for a chunk of ``r`` rows: on a GPU
+    one row a program (``DIVERGENCE_ROW_LAUNCHES``); on the interpreter, whose cost is per operation,
+    up to 32 rows of 256 classes (still several blocks a row, and of rows, at the tests' sizes), one
+    warp."""
+    if device.interpreted():
+        return min(32, triton.next_power_of_2(r)), min(256, triton.next_power_of_2(v)), 1
+    per_sm = r / device.sm_count(where)
+    for most, block_v, warps in divergence_launches(family(where)):
+        if most is None or per_sm <= most:
+            return 1, min(block_v, triton.next_power_of_2(v)), warps
+    raise AssertionError("DIVERGENCE_ROW_LAUNCHES ends open")

@@ -46,6 +46,76 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(_index(device))
 
 
+# Architecture families: each has its own configuration tables (``configs.py``), chosen offline by
+# compiling every configuration the package launches for that target (``scripts/registers.py --arch``)
+# and holding it to its shared memory and to at most 256 bytes of spilled registers a thread.
+# (family, the capabilities it names, the shared memory a block may opt into, in bytes):
+# sm80 the A100 / A800 (and Orin, 8.7); sm86 the Ampere and Ada consumer and inference parts (A10G,
+# A40, RTX 3090, L4, L40S, RTX 4090); sm90 H100 / H200 (the tables measured); sm100 B200 / GB200 /
+# B300 (and Thor, 11.0); sm120 RTX 5090 / RTX PRO 6000 (mma.sync, no wgmma or tcgen05).
+FAMILIES = {
+    "sm80": ((8, 0), (8, 7)),
+    "sm86": ((8, 6), (8, 9)),
+    "sm90": ((9, 0),),
+    "sm100": ((10, 0), (10, 3), (11, 0)),
+    "sm120": ((12, 0), (12, 1)),
+}
+# The per-block shared memory each family's tables are held to (the smallest of its GPUs).
+FAMILY_SHARED = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024, "sm100": 227 * 1024,
+                 "sm120": 99 * 1024}
+
+
+def family_of(capability: tuple[int, int], shared_optin: int | None = None) -> str | None:
+    """The configuration family of a CUDA GPU of ``capability`` whose blocks may use
+    ``shared_optin`` bytes of shared memory (None: the family's own figure), or None below compute
+    capability 8.0 (no bf16 tensor cores: ``check_dtype``). A capability no family names takes the
+    family of its major version's nearest named one below it; a GPU with less shared memory than
+    its family's tables need takes the largest family that fits (the sm86 / sm120 tables need 99 KB)."""
+    major, minor = capability
+    if major < 8:
+        return None
+    named = [(cap, name) for name, caps in FAMILIES.items() for cap in caps if cap <= (major, minor)]
+    name = max(named)[1]
+    if shared_optin is not None and shared_optin < FAMILY_SHARED[name]:
+        fits = [f for f in ("sm80", "sm86") if FAMILY_SHARED[f] <= shared_optin]
+        name = "sm120" if major >= 12 else fits[0] if fits else "sm86"
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_optin(device_index: int) -> int | None:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+def family(device: torch.device | None) -> str:
+    """The configuration family (``FAMILIES``) of a CUDA ``device``, from its compute capability and
+    per-block shared memory; "sm90" (the measured tables) for None, a CPU tensor's device (the
+    interpreter) and ROCm."""
+    if device is None or device.type != "cuda" or torch.version.hip is not None:
+        return "sm90"
+    index = _index(device)
+    return family_of(_capability(index), _shared_optin(index)) or "sm86"
+
+
+def gpu_name(device: torch.device) -> str:
+    """The name of a CUDA ``device`` (for messages)."""
+    return torch.cuda.get_device_name(_index(device))
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ValueError, before any kernel runs, where ``dtype`` cannot run well on ``device``:
+    bf16 below compute capability 8.0 (a T4, a V100), whose tensor cores have no bf16 products, so
+    Triton emulates them (18 KB of stack a thread offline for sm_75). fp16 and fp32 run there."""
+    if dtype != torch.bfloat16 or device.type != "cuda" or torch.version.hip is not None:
+        return
+    cap = capability(device)
+    if cap[0] < 8:
+        raise ValueError(
+            f"bf16 needs a GPU of compute capability 8.0 or newer (A100, L4, H100, ...); {gpu_name(device)} is "
+            f"{cap[0]}.{cap[1]}: use fp16 (e.g. torch.autocast('cuda', dtype=torch.float16)) or fp32 there")
+
+
 def tma_hardware(device: torch.device) -> bool:
     """Whether ``device`` loads through TMA tensor descriptors in hardware: CUDA compute capability
     9.0 and up (Hopper, Blackwell). Older GPUs keep the pointer loads, the path they were measured

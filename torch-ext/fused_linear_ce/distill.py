@@ -3,13 +3,11 @@
 
 import torch
 
-from .api import _autocast
-from .device import interpreted
-from .partitioned import check_gathered
-from . import divergence_ops
+from .api import autocast_head
+from . import divergence_ops, ops
 from .divergence import Spec
-from .validate import (INT64, REDUCTIONS, STRATEGIES, SUPPORTED_DTYPES, Options, _is_int, _is_real, check_chunk_bytes,
-                       check_num_items, is_master_weight)
+from .validate import (INT64, REDUCTIONS, STRATEGIES, Options, check_chunk_bytes, check_device, check_head,
+                       check_num_items, check_targets, is_int, is_master_weight, is_real)
 
 OUTPUTS = ("entropy", "log_probs")
 
@@ -91,8 +89,8 @@ def fused_linear_divergence(
         >>> loss.backward()
     """
     fields = _check_outputs(outputs, targets)
-    hs, ws, bs = _autocast(student_hidden, student_weight, student_bias, keep_fp32_weight=True)
-    ht, wt, bt = _autocast(teacher_hidden, teacher_weight, teacher_bias)
+    hs, ws, bs = autocast_head(student_hidden, student_weight, student_bias, keep_fp32_weight=True)
+    ht, wt, bt = autocast_head(teacher_hidden, teacher_weight, teacher_bias)
     master = (isinstance(hs, torch.Tensor) and torch.is_autocast_enabled(hs.device.type)
               and isinstance(ws, torch.Tensor) and is_master_weight(hs.dtype, ws.dtype))
     _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master)
@@ -111,10 +109,7 @@ def fused_linear_divergence(
     if reduction == "none":
         denominator = None
     elif num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            denominator = num_items_in_batch.to(device=where, dtype=torch.float32)
-        else:  # a fill, not a host-to-device copy: no sync
-            denominator = torch.full((), float(num_items_in_batch), device=where)
+        denominator = ops.count_tensor(num_items_in_batch, where)
     elif reduction == "sum":
         denominator = torch.ones((), device=where)
     else:
@@ -124,10 +119,10 @@ def fused_linear_divergence(
                 student=Options(logit_scale=student_logit_scale, softcap=student_softcap, temperature=temperature),
                 teacher=Options(logit_scale=teacher_logit_scale, softcap=teacher_softcap, temperature=temperature),
                 reduction=reduction, strategy=resolved, chunk_bytes=chunk_bytes)
-    h_s = hs.reshape(n, hs.shape[-1])
-    h_t = ht.reshape(n, ht.shape[-1]).detach()
+    rows_s = hs.reshape(n, hs.shape[-1])
+    rows_t = ht.reshape(n, ht.shape[-1]).detach()
     div, entropy, log_probs = divergence_ops.apply(
-        h_s, ws, bs, h_t, wt.detach(), bt.detach() if bt is not None else None, flat_targets,
+        rows_s, ws, bs, rows_t, wt.detach(), bt.detach() if bt is not None else None, flat_targets,
         counted.to(torch.int8), denominator, spec)
     if reduction == "none":
         div = div.reshape(lead)
@@ -150,77 +145,47 @@ def _check_outputs(outputs, targets) -> tuple:
 
 
 def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master=False) -> None:
-    """``master``: an fp32 student weight under a 16-bit autocast, cast inside the op."""
-    named = (("student_hidden", hs), ("student_weight", ws), ("teacher_hidden", ht), ("teacher_weight", wt))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("student_bias", bs), ("teacher_bias", bt), ("targets", targets), ("mask", mask)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    for who, h, w, b in (("student", hs, ws, bs), ("teacher", ht, wt, bt)):
-        check_gathered(f"{who}_weight", w)
-        check_gathered(f"{who}_bias", b)
-        if h.ndim < 2:
-            raise ValueError(f"{who}_hidden must be (N, H) or (..., H), got shape {tuple(h.shape)}")
-        if w.ndim != 2:
-            raise ValueError(f"{who}_weight must be 2-D (V, H), got shape {tuple(w.shape)}")
-        if w.shape[1] != h.shape[-1]:
-            raise ValueError(f"{who} hidden size mismatch: {who}_hidden is (..., H={h.shape[-1]}) but "
-                             f"{who}_weight is (V={w.shape[0]}, H={w.shape[1]})")
-        if w.shape[0] == 0:
-            raise ValueError(f"{who}_weight has no rows: the vocabulary must not be empty")
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"{who}_bias must have shape (V,) = ({w.shape[0]},), got {tuple(b.shape)}")
+    """Each model's head (``validate.check_head``; ``master``: an fp32 student weight under a 16-bit
+    autocast, cast inside the op), one vocabulary, one row shape and one dtype for both, the targets
+    and the mask, one device."""
+    check_head(hs, ws, bs, "student_", master_weight=master, vocab_parallel=False)
+    check_head(ht, wt, bt, "teacher_", vocab_parallel=False)
     if ws.shape[0] != wt.shape[0]:
         raise ValueError(f"vocabulary mismatch: student_weight has V={ws.shape[0]} rows, teacher_weight "
                          f"V={wt.shape[0]}")
     if hs.shape[:-1] != ht.shape[:-1]:
         raise ValueError(f"row mismatch: student_hidden's leading shape {tuple(hs.shape[:-1])} differs from "
                          f"teacher_hidden's {tuple(ht.shape[:-1])}")
-    if hs.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"student_hidden dtype {hs.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    floats = [(name, t) for name, t in (*named, ("student_bias", bs), ("teacher_bias", bt)) if t is not None]
-    for name, t in floats:
-        if t.dtype != hs.dtype and not (master and t is ws):
-            raise TypeError(f"dtype mismatch: student_hidden is {hs.dtype}, {name} is {t.dtype} (both models "
-                            "take one dtype)")
+    if ht.dtype != hs.dtype:
+        raise TypeError(f"dtype mismatch: student_hidden is {hs.dtype}, teacher_hidden is {ht.dtype} (both models "
+                        "take one dtype)")
     if targets is not None:
-        if targets.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
-        if targets.shape != hs.shape[:-1]:
-            raise ValueError(f"targets shape {tuple(targets.shape)} does not match the hidden states' leading "
-                             f"shape {tuple(hs.shape[:-1])}")
+        check_targets(targets, hs, "student_hidden")
     if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = counted), got {mask.dtype}")
         if mask.shape != hs.shape[:-1]:
             raise ValueError(f"mask shape {tuple(mask.shape)} does not match the hidden states' leading shape "
                              f"{tuple(hs.shape[:-1])}")
-    tensors = [*floats, *((name, t) for name, t in (("targets", targets), ("mask", mask)) if t is not None)]
-    if len({t.device for _, t in tensors}) > 1:
-        where = ", ".join(f"{name} on {t.device}" for name, t in tensors)
-        raise ValueError(f"all tensors must be on one device: {where}")
-    if hs.device.type == "cpu" and not interpreted():
-        raise RuntimeError("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
-                           "the kernel")
-    if hs.device.type not in ("cuda", "cpu"):
-        raise RuntimeError(f"unsupported device {hs.device}: this kernel runs on CUDA GPUs")
+    check_device((("student_hidden", hs), ("student_weight", ws), ("student_bias", bs), ("teacher_hidden", ht),
+                  ("teacher_weight", wt), ("teacher_bias", bt), ("targets", targets), ("mask", mask)))
 
 
 def _check_numbers(beta, temperature, s_scale, s_cap, t_scale, t_cap, ignore_index, reduction, num_items,
                    chunk_bytes, strategy) -> None:
-    if not (_is_real(beta) and 0.0 <= beta <= 1.0):
+    if not (is_real(beta) and 0.0 <= beta <= 1.0):
         raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
-    if not (_is_real(temperature) and temperature > 0):
+    if not (is_real(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     for name, scale in (("student_logit_scale", s_scale), ("teacher_logit_scale", t_scale)):
-        if not _is_real(scale):
+        if not is_real(scale):
             raise ValueError(f"{name} must be a finite real number, got {scale!r}")
     for name, cap in (("student_softcap", s_cap), ("teacher_softcap", t_cap)):
-        if cap is not None and not (_is_real(cap) and cap > 0):
+        if cap is not None and not (is_real(cap) and cap > 0):
             raise ValueError(f"{name} must be None or a finite number > 0, got {cap!r}")
-    if not _is_int(ignore_index):
+    if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not INT64.min <= ignore_index <= INT64.max:
         raise ValueError(f"ignore_index must fit in int64, got {ignore_index!r}")

@@ -49,10 +49,16 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, transposed: b
     return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
 
 
+def output_tiles(m: int, p: int, dtype: torch.dtype, where: torch.device) -> int:
+    """``matmul``'s output tiles for an (m, p) result on ``where`` (its family's config's block_m x
+    block_p: the same product has more tiles where the family's tiles are smaller)."""
+    cfg = configs.matmul_config(dtype, where=where)
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(p, cfg.block_p)
+
+
 def _output_tiles(a: torch.Tensor, b: torch.Tensor) -> int:
-    """``matmul``'s output tiles for a @ b (its config's block_m x block_p)."""
-    cfg = configs.matmul_config(a.dtype)
-    return triton.cdiv(a.shape[0], cfg.block_m) * triton.cdiv(b.shape[1], cfg.block_p)
+    """``matmul``'s output tiles for a @ b."""
+    return output_tiles(a.shape[0], b.shape[1], a.dtype, a.device)
 
 
 def few_tiles(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -92,7 +98,7 @@ def split_k(a: torch.Tensor, b: torch.Tensor) -> int:
     def fill(t):
         return t / (triton.cdiv(t, sms) * sms)
 
-    long_k = triton.cdiv(a.shape[1], configs.matmul_config(a.dtype).block_k) >= 2 * MIN_SPLIT_STEPS
+    long_k = triton.cdiv(a.shape[1], configs.matmul_config(a.dtype, where=a.device).block_k) >= 2 * MIN_SPLIT_STEPS
     return 2 if long_k and fill(2 * tiles) >= fill(tiles) + 0.05 else 1
 
 
@@ -110,7 +116,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     p = b.shape[1]
     if m == 0 or p == 0:
         return
-    cfg = configs.matmul_config(a.dtype, role=role)
+    # A sum into a pair has its own config where the family's table names one (``configs.matmul_config``).
+    cfg = configs.matmul_config(a.dtype, role="compensated" if lo is not None and role == "product" else role,
+                                where=a.device)
     layouts = _tma_layouts(a, b, cfg)
     tma = layouts is not None
     a_t, b_t = layouts if tma else (False, False)

@@ -3,11 +3,11 @@
 import torch
 
 from . import tokens, topk as _topk
-from .api import _autocast, _shift
+from .api import autocast_head, shift_targets
 from .validate import Options, check_flag, check_inputs, check_process_group
 
 
-def _check_outputs(outputs) -> tuple:
+def check_outputs(outputs) -> tuple:
     if isinstance(outputs, str) or not all(isinstance(x, str) for x in outputs):
         raise TypeError(f"outputs must be a tuple of field names among {tokens.FIELDS}, got {outputs!r}")
     unknown = sorted(set(outputs) - set(tokens.FIELDS))
@@ -81,7 +81,7 @@ def fused_linear_logprobs(
         >>> out = fused_linear_logprobs(h, w, t, outputs=("log_probs", "entropy"), temperature=0.7)
         >>> (-(out["log_probs"] * advantages).mean() - 0.01 * out["entropy"].mean()).backward()
     """
-    fields = _check_outputs(outputs)
+    fields = check_outputs(outputs)
     check_flag("topk", topk)
     if topk:
         check_flag("shift", shift)
@@ -92,7 +92,7 @@ def fused_linear_logprobs(
                                     strategy=strategy)
     opts = Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction="none",
                    chunk_bytes=chunk_bytes, strategy=strategy, temperature=temperature, outputs=fields)
-    hidden, weight, bias = _autocast(hidden, weight, bias, keep_fp32_weight=True)
+    hidden, weight, bias = autocast_head(hidden, weight, bias, keep_fp32_weight=True)
     check_flag("shift", shift)
     check_inputs(hidden, weight, targets, bias, opts,
                  master_weight=isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type))
@@ -105,7 +105,7 @@ def fused_linear_logprobs(
                          f'take {why}; use strategy="recompute" or "auto"')
     targets = targets.to(torch.int64)
     if shift and targets.ndim > 0 and targets.shape[-1] > 0:
-        targets = _shift(targets, ignore_index)
+        targets = shift_targets(targets, ignore_index)
     rows = hidden.reshape(n, hidden.shape[-1])
     out = tokens.apply(rows, weight, targets.reshape(-1), bias, opts, process_group)
     return {name: t.reshape(lead) for name, t in out.items()}

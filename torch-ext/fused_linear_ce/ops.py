@@ -65,13 +65,23 @@ def _forward_call(scalars_: Optional[torch.Tensor], hidden, weight, options: tup
     needs = (o["need_dx"], o["need_dw"], o["need_db"])
     master = weight.dtype != hidden.dtype
     return opts, o, needs, chunked.use(opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, needs,
-                                       master, sharded=o["group_id"] != 0)
+                                       master, sharded=o["group_id"] != 0, where=hidden.device)
 
 
-def _low(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+def low_weight(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The weight in hidden's dtype: an fp32 master weight (``validate.is_master_weight``) cast for
-    the products, once per op (``torch.autocast`` would keep the same copy), else itself."""
+    the products, once per op (``torch.autocast`` would keep the same copy; its gradient stays the
+    products' fp32 sum, never rounded to 16 bits), else itself. The loss's and the divergence's ops."""
     return weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+
+
+def count_tensor(num_items, where: torch.device) -> torch.Tensor:
+    """``num_items_in_batch`` (an int, a float or a tensor) as a 0-d fp32 tensor on ``where``: a
+    tensor is moved (no sync on its own device), a number filled, not copied from the host (no sync,
+    and CUDA-graph capturable)."""
+    if isinstance(num_items, torch.Tensor):
+        return num_items.to(device=where, dtype=torch.float32)
+    return torch.full((), float(num_items), device=where)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
@@ -97,7 +107,7 @@ def forward(
     shard = parallel.shard_for(group_id, weight.shape[0])
     sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
     grads = [None] * 3
-    low = _low(weight, hidden)
+    low = low_weight(weight, hidden)
     if takes_chunked:
         stats, *grads = chunked.forward(hidden, low, targets, bias, class_weight, opts, *needs, shard, divisor,
                                         dw_dtype=weight.dtype)
@@ -149,7 +159,7 @@ def backward(
     shard = parallel.shard_for(group_id, weight.shape[0])
     weights = losses.target_weights(targets, class_weight, ignore_index, weight.shape[0], shard)
     coef, common = losses.coefficients(grad_loss, grad_lse, lse2[0] + lse2[1], targets, weights, opts)
-    dx, dw, db = recompute.backward(hidden, _low(weight, hidden), targets, bias, class_weight, lse2, coef, opts,
+    dx, dw, db = recompute.backward(hidden, low_weight(weight, hidden), targets, bias, class_weight, lse2, coef, opts,
                                     need_dx, need_dw, need_db, shard, common, dw_dtype=weight.dtype)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dx, dw, db))
 
@@ -222,24 +232,56 @@ def _(grad, grad_loss):
     return None
 
 
-def _spent(names) -> RuntimeError:
+def _spent(names, function: str) -> RuntimeError:
     """The error of a backward through a graph whose chunked-path gradients an earlier backward
     scaled in place: they are the leaves' gradients now (autograd may have made that very tensor
     ``.grad``), and recomputing them would need ``hidden``, which this path does not keep: keeping
     it would cost every single backward N x H bytes."""
     return RuntimeError(
-        "fused_linear_cross_entropy: a second backward through the same graph (retain_graph=True) on the chunked "
+        f"{function}: a second backward through the same graph (retain_graph=True) on the chunked "
         "path (strategy=\"chunked\", or \"auto\" for this call) is not supported: its forward computed the "
         f"gradients, the first backward scaled those of {' and '.join(names)} in place into the leaves' gradients, "
         "and the path does not keep hidden to compute them again. Use strategy=\"recompute\", whose every backward "
         "recomputes the gradients, to backward through one graph more than once.")
 
 
+def check_spent(ctx, function: str) -> None:
+    """The first thing of a backward that may take the chunked path (the loss's, the divergence's):
+    a second backward through a graph whose gradients ``scale_saved`` scaled in place raises
+    (``_spent``, named for ``function``) before anything is read (reading ``ctx.saved_tensors`` would
+    raise autograd's version-counter error instead) or written. (A graph freed without
+    retain_graph=True never gets here: autograd raises its own error before it calls a backward
+    whose saved tensors are freed.)"""
+    if ctx.spent:
+        raise _spent(ctx.spent, function)
+
+
+def scale_saved(ctx, saved, grad_loss: torch.Tensor, needs) -> list:
+    """The chunked path's backward, the loss's and the divergence's (after ``check_spent``): its
+    forward's gradients ``saved`` (grad_hidden, grad_weight, grad_bias for an upstream gradient of 1,
+    ``needs`` those computed) times ``grad_loss``, in the leaves' dtypes ``ctx.dtypes``.
+
+    A gradient already in its leaf's dtype (bf16 and fp32 inputs, an fp32 master weight) is scaled
+    where it is and becomes the leaf's gradient: no second gradient-sized tensor (a V x H one) at the
+    backward's peak; ``ctx.spent`` then names it. fp16's fp32 unit gradients and the bias's fp32 sums
+    are scaled into new tensors of the leaves' dtypes, and so is everything under create_graph=True
+    (differentiating the result must reach ``scale_gradients`` and raise its clear error): those stay
+    as the forward left them, for any number of backwards."""
+    in_place = [need and t.dtype == d and not torch.is_grad_enabled()
+                for t, d, need in zip(saved[:2], ctx.dtypes[:2], needs[:2])]
+    ctx.spent = tuple(name for name, yes in zip(("hidden", "weight"), in_place) if yes)
+    for t, yes in zip(saved[:2], in_place):
+        if yes:
+            scale_in_place(t, grad_loss)
+    rest = [t.new_empty((0,)) if yes else t for t, yes in zip(saved[:2], in_place)]
+    scaled = list(scale_gradients(*rest, saved[2], grad_loss, *ctx.dtypes))
+    scaled[:2] = [t if yes else out for t, out, yes in zip(saved[:2], scaled[:2], in_place)]
+    return scaled
+
+
 def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
-    # Before anything is read or written. (A graph freed without retain_graph=True never gets here:
-    # autograd raises its own error before it calls a backward whose saved tensors are freed.)
-    if ctx.chunked and ctx.spent:
-        raise _spent(ctx.spent)
+    if ctx.chunked:
+        check_spent(ctx, "fused_linear_cross_entropy")
     need_dx, need_dw, need_db = ctx.needs
     o = ctx.options
     if grad_loss is None:  # only the lse reaches the loss: the loss's own gradient is 0
@@ -251,23 +293,7 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
         if missing:
             raise RuntimeError(f"fused_linear_cross_entropy: {missing} did not require grad when the loss was "
                                "computed, so the chunked path computed no gradient for them")
-        saved = ctx.saved_tensors
-        # A gradient already in its leaf's dtype (bf16 and fp32 inputs, an fp32 master weight) is
-        # scaled where it is and becomes the leaf's gradient: no second gradient-sized tensor (a
-        # V x H one) at the backward's peak; a later backward through the same graph then raises
-        # (``_spent``) instead of scaling it twice. fp16's fp32 unit gradients and the bias's fp32
-        # sums are scaled into new tensors of the leaves' dtypes, and so is everything under
-        # create_graph=True (differentiating the result must reach ``scale_gradients`` and raise its
-        # clear error): those stay as the forward left them, for any number of backwards.
-        in_place = [need and t.dtype == d and not torch.is_grad_enabled()
-                    for t, d, need in zip(saved[:2], ctx.dtypes[:2], (need_dx, need_dw))]
-        ctx.spent = tuple(name for name, yes in zip(("hidden", "weight"), in_place) if yes)
-        for t, yes in zip(saved[:2], in_place):
-            if yes:
-                scale_in_place(t, grad_loss)
-        rest = [t.new_empty((0,)) if yes else t for t, yes in zip(saved[:2], in_place)]
-        dx, dw, db = scale_gradients(*rest, saved[2], grad_loss, *ctx.dtypes)
-        dx, dw = [t if yes else out for t, out, yes in zip(saved[:2], (dx, dw), in_place)]
+        dx, dw, db = scale_saved(ctx, ctx.saved_tensors, grad_loss, ctx.needs)
     else:
         hidden, weight, bias, targets, class_weight, lse2, divisor, scalars_ = ctx.saved_tensors
         if divisor is not None:  # the op returned sum / divisor; the backward op takes the sum's gradient

@@ -30,7 +30,7 @@ import types
 import torch
 from torch import nn
 
-from .api import _shift, fused_linear_cross_entropy
+from .api import shift_targets, fused_linear_cross_entropy
 from .logit_probe import LogitsProbe, LogitTransform
 from .logprobs import fused_linear_logprobs
 from .partitioned import gathered
@@ -121,7 +121,7 @@ class _Call:
             hidden, weight, targets, bias, logit_scale=logit_scale, softcap=softcap, outputs=tuple(wanted),
             ignore_index=ignore_index, shift=shift, process_group=group, chunk_bytes=self.options["chunk_bytes"],
             strategy=self.options["strategy"])
-        scored = _shift(targets, ignore_index) if shift and targets.shape[-1] > 0 else targets
+        scored = shift_targets(targets, ignore_index) if shift and targets.shape[-1] > 0 else targets
         total = (scored != ignore_index).sum().to(torch.float32)
         loss = -fields["log_probs"].sum() / (total if num_items is None else num_items)
         if self.options["return_metrics"]:
@@ -344,11 +344,11 @@ def patch_model(model, *, return_metrics: bool = False, outputs=(), chunk_bytes:
     """
     from .validate import Options, check_flag, check_options
 
-    from .logprobs import _check_outputs
+    from .logprobs import check_outputs
 
     check_flag("return_metrics", return_metrics)
     check_options(Options(chunk_bytes=chunk_bytes, strategy=strategy))
-    options = {"return_metrics": return_metrics, "outputs": _check_outputs(outputs), "chunk_bytes": chunk_bytes,
+    options = {"return_metrics": return_metrics, "outputs": check_outputs(outputs), "chunk_bytes": chunk_bytes,
                "strategy": strategy}
     base = _base(model)
     if not isinstance(base, nn.Module):

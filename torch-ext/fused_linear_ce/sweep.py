@@ -18,7 +18,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, device, parallel, pingpong, plan, sweep_kernels
+from . import autotune, configs, device, parallel, pingpong, plan, sweep_kernels
 from .validate import Options
 
 # Planes of the fp32 partial statistics (planes, SPLIT, N) that ``sweep_kernels.combine_kernel``
@@ -138,7 +138,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         return stats_out, None
 
     if hopper:
-        stats, argmax, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales()[0], metrics, offset,
+        stats, argmax, splits = pingpong.launch(hidden, weight, targets, opts.kernel_scales().tile_scale, metrics, offset,
                                                 opts.ignore_index, skip_ignored(opts))
     else:
         stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg,
@@ -187,7 +187,8 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     # (a 2-D tile of store pointers spills registers): over the buffer, or over its transpose when
     # the buffer is class-major (``chunked``'s buffer hosted in grad_weight's memory).
     e_t = e_out is not None and e_out.stride(1) != 1
-    e_tma = e_out is not None and tma and device.tma_layout(e_out.t() if e_t else e_out)
+    e_tma = (e_out is not None and tma and device.tma_layout(e_out.t() if e_t else e_out)
+             and (not e_t or configs.transposed_store_tma(where)))
     e_desc = stats
     if e_tma:
         e_desc = (TensorDescriptor.from_tensor(e_out.t(), [cfg.block_v, cfg.block_n]) if e_t

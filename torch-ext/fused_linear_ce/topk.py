@@ -15,7 +15,7 @@ which add up to the multi-target gradient above.
 
 import torch
 
-from .api import _autocast
+from .api import autocast_head
 from .partitioned import check_gathered
 
 # The gathered weight rows of one block of rows, fp32: (rows, k, H) within this many bytes.
@@ -120,7 +120,7 @@ def _block_rows(k: int, h: int) -> int:
 def target_logits(hidden, weight, bias, ids, *, temperature, logit_scale, softcap):
     """z at ``ids`` (..., k) (in range), fp32, differentiable: ``softcap((h . W[t] + b) * logit_scale)
     / temperature``, the operands in the sweep's dtype (the autocast dtype under autocast)."""
-    hidden, weight, bias = _autocast(hidden, weight, bias, keep_fp32_weight=True)
+    hidden, weight, bias = autocast_head(hidden, weight, bias, keep_fp32_weight=True)
     lead, k = ids.shape[:-1], ids.shape[-1]
     rows = hidden.reshape(-1, hidden.shape[-1])
     z = _TargetLogits.apply(rows, weight, bias, ids.reshape(-1, k)).reshape(*lead, k)

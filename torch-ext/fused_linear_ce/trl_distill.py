@@ -12,6 +12,7 @@ does with the result).
 
 import torch
 
+from . import ops
 from .distill import fused_linear_divergence
 from .partitioned import gathered
 
@@ -123,20 +124,16 @@ def _gathered_loss(student_hidden_states, teacher_hidden_states, student_lm_head
                                                          teacher_hidden_states)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
-    h_s = student_hidden_states.reshape(-1, student_hidden_states.size(-1))
-    h_t = teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1))
+    rows_s = student_hidden_states.reshape(-1, student_hidden_states.size(-1))
+    rows_t = teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1))
     if num_items_in_batch is None:
         divisor = n_valid.clamp(min=1)
-    elif isinstance(num_items_in_batch, torch.Tensor):
-        divisor = num_items_in_batch.to(h_s.device)
-    elif isinstance(num_items_in_batch, int):
-        divisor = num_items_in_batch
-    else:  # a float count: a fill, not a host-to-device copy
-        divisor = torch.full((), float(num_items_in_batch), device=h_s.device)
-    if h_s.shape[0] == 0:  # no positions: TRL's empty sum, 0 with a graph to the student
-        zero = student_lm_head_weight.sum().float() * 0 + h_s.sum().float() * 0
+    else:
+        divisor = ops.count_tensor(num_items_in_batch, rows_s.device)
+    if rows_s.shape[0] == 0:  # no positions: TRL's empty sum, 0 with a graph to the student
+        zero = student_lm_head_weight.sum().float() * 0 + rows_s.sum().float() * 0
         return zero / divisor, zero.detach(), n_valid
-    hs, ws, bs, ht, wt, bt = _operands(h_s, student_lm_head_weight, student_lm_head_bias, h_t,
+    hs, ws, bs, ht, wt, bt = _operands(rows_s, student_lm_head_weight, student_lm_head_bias, rows_t,
                                        teacher_lm_head_weight, teacher_lm_head_bias)
     loss, fields = fused_linear_divergence(
         hs, ws, ht, wt, beta=beta, student_bias=bs, teacher_bias=bt, temperature=temperature,

@@ -90,22 +90,29 @@ class Replaced(dict):
             setattr(importlib.import_module(module), name, previous)
 
 
-def use_in_trl(*, chunk_bytes=None) -> Replaced:
+def use_in_trl(*, chunk_bytes=None, divergence_chunk_bytes=None) -> Replaced:
     """Makes TRL's fused LM head (``add_fused_lm_head``, every trainer's loss head) compute its
     per-token fields with this kernel, for every model patched from now on and those already patched;
     and TRL's distillation trainer (``trl.trainer.distillation_trainer``: its ``ChunkedDivergenceFunction``
     and its ``_chunked_divergence_loss``) its divergence with ``fused_linear_divergence``
     (``trl_distill``), where the installed TRL has them.
-    ``chunk_bytes``: the kernels' memory budget (``fused_linear_logprobs``' and
-    ``fused_linear_divergence``'s knob); None: ``trl_chunk_bytes`` for the LM head (the package default
-    up to 16384 x 2048 or 8192 x 4096 tokens x hidden, 6 N H bytes beyond, at most 2 GiB) and the
-    divergence's default. Returns what it replaced, a ``Replaced`` {"module.attribute": previous}:
+    Two budgets, one a head, each its function's memory knob (counted differently):
+
+    - ``chunk_bytes``: the LM head's (``fused_linear_logprobs``'); None: ``trl_chunk_bytes`` (the
+      package default up to 16384 x 2048 or 8192 x 4096 tokens x hidden, 6 N H bytes beyond, at most
+      2 GiB).
+    - ``divergence_chunk_bytes``: the distillation's (``fused_linear_divergence``': a chunk's two fp32
+      logit rows and da, ``plan.DEFAULT_DIVERGENCE_BYTES`` by default); None: ``chunk_bytes`` when
+      that is given (one budget for both), else the divergence's default.
+
+    Returns what it replaced, a ``Replaced`` {"module.attribute": previous}:
     ``.restore()`` undoes it. Under DeepSpeed ZeRO-3 every installed head gathers the partitioned head
     weights and biases it reads, through TRL's ``maybe_gather_lm_head_ctx``, in its forward and again
-    in a backward that reads them (``partitioned.gathered``). Raises RuntimeError when the installed TRL does not have the head this
-    replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad
-    ``chunk_bytes``."""
+    in a backward that reads them (``partitioned.gathered``). Raises RuntimeError when the installed
+    TRL does not have the head this replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``),
+    ValueError for a bad budget."""
     check_chunk_bytes(chunk_bytes)
+    check_chunk_bytes(divergence_chunk_bytes)
     head = ChunkedLogProbFunction if chunk_bytes is None else _head_with_budget(chunk_bytes)
     try:
         import trl.trainer.utils as trl_utils
@@ -120,7 +127,7 @@ def use_in_trl(*, chunk_bytes=None) -> Replaced:
     trl_utils._ChunkedLogProbFunction = head
     from . import trl_distill
 
-    previous = trl_distill.install(chunk_bytes)
+    previous = trl_distill.install(chunk_bytes if divergence_chunk_bytes is None else divergence_chunk_bytes)
     replaced.update((f"trl.trainer.distillation_trainer.{name}", was) for name, was in previous.items())
     return replaced
 
