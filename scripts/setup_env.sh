@@ -19,3 +19,10 @@ if ! "$PYTHON" -c "import triton" >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q "triton==3.6.0"
 fi
 "$PYTHON" -m pip install -q -r requirements-test.txt
+# tests/integrations/test_zero3.py: DeepSpeed (ZeRO-3 on its CPU accelerator), pinned. Its PyPI release is an
+# sdist whose isolated build would download a CUDA torch (several GB): built against the torch installed
+# above, without its C++/CUDA ops (the tests use none; DeepSpeed JIT-builds an op only when one is used).
+if ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
+    echo "setup_env: installing deepspeed==0.19.8"
+    DS_BUILD_OPS=0 "$PYTHON" -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+fi

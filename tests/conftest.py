@@ -131,6 +131,10 @@ GPU_SECONDS = {
     "test_trl.py": 90,  # SFTTrainer run
     "test_variants.py": 165,  # measured 164 (estimate was 190)
     "test_workflows.py": 20,
+    # Skipped where DeepSpeed is not installed (gpu_tests.sh installs nothing); with it, six world-size-1
+    # ZeRO-3 runs in spawned processes (the world-size-2 and FSDP2 ones skip on one GPU), not yet
+    # measured: re-estimate then (shard9 is within 20 s of the budget).
+    "test_zero3.py": 5,
     "test_compile.py": 75,  # measured 73
     "test_torch_parity.py": 35,  # measured 34
 }

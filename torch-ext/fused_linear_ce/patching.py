@@ -33,6 +33,7 @@ from torch import nn
 from .api import shift_targets, fused_linear_cross_entropy
 from .logit_probe import LogitsProbe, LogitTransform
 from .logprobs import fused_linear_logprobs
+from .partitioned import gathered
 
 _STATE = "_fused_linear_ce_patch"
 METRIC_KEYS = ("mean_token_accuracy", "entropy")
@@ -69,7 +70,13 @@ class _Call:
     def loss_function(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
         """transformers' ``ForCausalLMLoss`` signature; the extra kwargs (attention and output switches,
-        ``TransformersKwargs``) change nothing there and nothing here."""
+        ``TransformersKwargs``) change nothing there and nothing here. Under DeepSpeed ZeRO-3 the
+        head's weight and bias are gathered for the loss and again for a backward that reads them
+        (``partitioned.gathered``): the loss reads them outside the head's own forward."""
+        with gathered(self.head.weight, self.head.bias):
+            return self._loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+
+    def _loss(self, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels):
         self.loss_calls += 1
         if not isinstance(logits, LogitsProbe) or logits.call is not self:
             raise ValueError("patch_model: the logits given to the loss did not come from the output embedding")

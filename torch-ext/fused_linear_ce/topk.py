@@ -16,6 +16,7 @@ which add up to the multi-target gradient above.
 import torch
 
 from .api import autocast_head
+from .partitioned import check_gathered
 
 # The gathered weight rows of one block of rows, fp32: (rows, k, H) within this many bytes.
 GATHER_BYTES = 64 << 20
@@ -28,6 +29,7 @@ def check_topk(hidden, weight, targets, outputs, process_group) -> int:
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_gathered("weight", weight)
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
     if targets.dtype not in (torch.int64, torch.int32):

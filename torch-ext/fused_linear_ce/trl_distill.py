@@ -14,6 +14,7 @@ import torch
 
 from . import ops
 from .distill import fused_linear_divergence
+from .partitioned import gathered
 
 
 def _operands(hs, ws, bs, ht, wt, bt):
@@ -60,13 +61,15 @@ def _divergence(student_hidden, student_weight, student_bias, teacher_hidden, te
                 temperature, student_logit_scale, student_final_logit_softcapping, teacher_logit_scale,
                 teacher_final_logit_softcapping, chunk_bytes):
     """``chunked_divergence`` within ``chunk_bytes``."""
-    hs, ws, bs, ht, wt, bt = _operands(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                       teacher_bias)
-    div, fields = fused_linear_divergence(
-        hs, ws, ht, wt, beta=beta, student_bias=bs, teacher_bias=bt, temperature=temperature,
-        student_logit_scale=student_logit_scale, student_softcap=student_final_logit_softcapping,
-        teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_final_logit_softcapping, reduction="none",
-        outputs=("entropy",), chunk_bytes=chunk_bytes)
+    # ZeRO-3: both heads gathered for the forward, and again in the backward, which recomputes.
+    with gathered(student_weight, student_bias, teacher_weight, teacher_bias, trl=True):
+        hs, ws, bs, ht, wt, bt = _operands(student_hidden, student_weight, student_bias, teacher_hidden,
+                                           teacher_weight, teacher_bias)
+        div, fields = fused_linear_divergence(
+            hs, ws, ht, wt, beta=beta, student_bias=bs, teacher_bias=bt, temperature=temperature,
+            student_logit_scale=student_logit_scale, student_softcap=student_final_logit_softcapping,
+            teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_final_logit_softcapping,
+            reduction="none", outputs=("entropy",), chunk_bytes=chunk_bytes)
     return div, fields["entropy"].detach()
 
 
@@ -99,7 +102,22 @@ def _loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, 
           completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias, student_logit_scale,
           teacher_logit_scale, student_final_logit_softcapping, teacher_final_logit_softcapping, temperature,
           chunk_bytes):
-    """``chunked_divergence_loss`` within ``chunk_bytes``."""
+    """``chunked_divergence_loss`` within ``chunk_bytes``. ZeRO-3: both heads gathered around the call
+    (the teacher's forward has returned by then, so nothing else gathers it)."""
+    with gathered(student_lm_head_weight, student_lm_head_bias, teacher_lm_head_weight, teacher_lm_head_bias,
+                  trl=True):
+        return _gathered_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                              teacher_lm_head_weight, completion_mask, beta, num_items_in_batch, student_lm_head_bias,
+                              teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
+                              student_final_logit_softcapping, teacher_final_logit_softcapping, temperature,
+                              chunk_bytes)
+
+
+def _gathered_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+                   completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias,
+                   student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
+                   teacher_final_logit_softcapping, temperature, chunk_bytes):
+    """``_loss`` with the heads' weights whole."""
     student_lm_head_weight, student_lm_head_bias = _full(student_lm_head_weight, student_lm_head_bias,
                                                          student_hidden_states)
     teacher_lm_head_weight, teacher_lm_head_bias = _full(teacher_lm_head_weight, teacher_lm_head_bias,

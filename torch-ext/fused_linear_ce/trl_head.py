@@ -10,6 +10,7 @@ use ``trl_distill``'s. Written from TRL's public signature and docstrings only.
 import torch
 
 from .logprobs import fused_linear_logprobs
+from .partitioned import gathered
 from .plan import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES
 from .validate import check_chunk_bytes
 
@@ -60,13 +61,15 @@ def _log_probs(hidden, weight, bias, targets, temperature, chunk_size, final_log
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if chunk_bytes is None:
         chunk_bytes = trl_chunk_bytes(hidden)
-    if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
-        weight = weight.to(hidden.dtype) if isinstance(weight, torch.Tensor) else weight
-        bias = bias.to(hidden.dtype) if isinstance(bias, torch.Tensor) else bias
-    # Under autocast, fused_linear_logprobs casts hidden and bias, and an fp32 weight inside the op.
-    wanted = ("log_probs", *outputs)
-    out = fused_linear_logprobs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
-                                softcap=final_logit_softcapping, outputs=wanted, chunk_bytes=chunk_bytes)
+    # ZeRO-3: TRL gathers the head around this call; the backward gathers again where it reads them.
+    with gathered(weight, bias, trl=True):
+        if isinstance(hidden, torch.Tensor) and not torch.is_autocast_enabled(hidden.device.type):
+            weight = weight.to(hidden.dtype) if isinstance(weight, torch.Tensor) else weight
+            bias = bias.to(hidden.dtype) if isinstance(bias, torch.Tensor) else bias
+        # Under autocast, fused_linear_logprobs casts hidden and bias, and an fp32 weight inside the op.
+        wanted = ("log_probs", *outputs)
+        out = fused_linear_logprobs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
+                                    softcap=final_logit_softcapping, outputs=wanted, chunk_bytes=chunk_bytes)
     return tuple(out.get(name) for name in ("log_probs", *TRL_OUTPUTS))
 
 
@@ -103,9 +106,11 @@ def use_in_trl(*, chunk_bytes=None, divergence_chunk_bytes=None) -> Replaced:
       that is given (one budget for both), else the divergence's default.
 
     Returns what it replaced, a ``Replaced`` {"module.attribute": previous}:
-    ``.restore()`` undoes it. Raises RuntimeError when the installed TRL does not have the head this
-    replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``), ValueError for a bad
-    budget."""
+    ``.restore()`` undoes it. Under DeepSpeed ZeRO-3 every installed head gathers the partitioned head
+    weights and biases it reads, through TRL's ``maybe_gather_lm_head_ctx``, in its forward and again
+    in a backward that reads them (``partitioned.gathered``). Raises RuntimeError when the installed
+    TRL does not have the head this replaces (TRL 1.16's ``trl.trainer.utils._ChunkedLogProbFunction``),
+    ValueError for a bad budget."""
     check_chunk_bytes(chunk_bytes)
     check_chunk_bytes(divergence_chunk_bytes)
     head = ChunkedLogProbFunction if chunk_bytes is None else _head_with_budget(chunk_bytes)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from .device import check_dtype, interpreted
+from .partitioned import check_gathered
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -150,6 +151,8 @@ def check_head(hidden, weight, bias, prefix: str = "", master_weight: bool = Fal
         raise TypeError(f"{names[2]} must be a torch.Tensor or None, got {type(bias).__name__}")
     for name, t in zip(names, (hidden, weight, bias)):
         _dtensor_error(name, t, vocab_parallel)
+    check_gathered(names[1], weight)
+    check_gathered(names[2], bias)
     if hidden.ndim < 2:
         raise ValueError(f"{names[0]} must be (N, H) or (..., H), got shape {tuple(hidden.shape)}")
     if weight.ndim != 2:
