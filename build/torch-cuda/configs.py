@@ -18,15 +18,19 @@ import triton
 from . import device
 from .device import fp_fusion, input_precision, interpreted, sm_count, tma_hardware, tma_layout  # re-exported
 from .plan import (  # re-exported
-    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_DIVERGENCE_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes,
-    vocab_splits,
+    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_DIVERGENCE_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan,
+    borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes, vocab_splits,
 )
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES", "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad", "candidates", "chunked_epilogue", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows", "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version", "dlogits_config", "fp_fusion", "input_precision", "interpreted",
-    "matmul_config", "pingpong", "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware",
-    "tma_layout", "vocab_splits",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES",
+    "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad",
+    "candidates", "chunked_epilogue", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows",
+    "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version",
+    "dlogits_config", "fp_fusion", "input_precision", "interpreted", "matmul_config", "pingpong",
+    "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware", "tma_layout",
+    "vocab_splits",
 ]
 
 
@@ -159,9 +163,10 @@ _SM80_CHUNKED = TileConfig(block_n=128, block_v=64, block_h=64, group_m=16, num_
 _SM80_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 # sm100 (B200, B300: 227 KB, TMA, tcgen05): sm90's tables but for both sweeps, 128 x 128 with 8 warps
 # (sm90's 128 x 256 spill 1.1 KB in the chunked sweep with a softcap and a bias; under Triton 3.9
-# 0.6-2 KB in the sweep with the metrics), and the sums into a pair, 128 x 128 (0.5-0.6 KB at 128 x 256). Its class-major buffer (hosted in grad_weight) is stored through
-# pointers (``transposed_store_tma``): the transposed tile through a descriptor fails to compile
-# there at every tile tried (Triton 3.6's TMEM layout pass, ``PassManager::run failed``); by pointers
+# 0.6-2 KB in the sweep with the metrics), and the sums into a pair, 128 x 128 (0.5-0.6 KB at
+# 128 x 256). Its class-major buffer (hosted in grad_weight) is stored through pointers
+# (``transposed_store_tma``): the transposed tile through a descriptor fails to compile there at every
+# tile tried (Triton 3.6's TMEM layout pass, ``PassManager::run failed``); by pointers
 # 0 bytes of stack.
 _SM100_SWEEP = TileConfig(block_n=128, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=3)
 _SM100_CHUNKED = replace(_SM100_SWEEP, group_m=16)

@@ -110,8 +110,8 @@ def divergence_backward(
     (the divergence's and the log-prob's upstream), recomputing the logits; empty (0,) where not
     needed. ``div_grad`` False: the log-prob's term alone (coef[0] unused, no teacher product)."""
     spec = _spec(scalars, has_s_cap, has_t_cap, "none", "recompute", chunk_bytes)
-    grads = divergence.backward(Head(hs, ops.low_weight(ws, hs), bs), Head(ht, wt, bt), targets, counted, stats, coef, spec,
-                                (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
+    grads = divergence.backward(Head(hs, ops.low_weight(ws, hs), bs), Head(ht, wt, bt), targets, counted, stats,
+                                coef, spec, (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
 
@@ -175,5 +175,6 @@ def apply(hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec):
     needs = [grad and t is not None and t.requires_grad for t in (hs, ws, bs)]
     scalars = ops.float_tensor(tuple(Scalars.of(spec)))
     out = divergence_forward(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars,
-                             spec.student.softcap is not None, spec.teacher.softcap is not None, spec.reduction, spec.strategy, spec.chunk_bytes, *needs)
+                             spec.student.softcap is not None, spec.teacher.softcap is not None, spec.reduction,
+                             spec.strategy, spec.chunk_bytes, *needs)
     return out[0], out[1], out[2]
