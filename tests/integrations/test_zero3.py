@@ -62,19 +62,19 @@ def _model(hidden, seed):
     return model
 
 
-def _config(train=True):
+def _config(stage=3):
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0}
+            "stage3_prefetch_bucket_size": 0} if stage == 3 else {"stage": stage}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
     return config
 
 
-def _engine(model, train=True):
-    """``model`` under ZeRO-3 (SGD when ``train``), transformers told so (TRL's gather consults it)."""
+def _engine(model, train=True, stage=3):
+    """``model`` under ZeRO-``stage`` (SGD when ``train``), transformers told so (TRL's gather consults it)."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    config = _config()
+    config = _config(stage)
     keep = HfDeepSpeedConfig(config)  # noqa: F841 (transformers holds a weak reference)
     model = model.to(_device())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR) if train else None
@@ -85,8 +85,11 @@ def _engine(model, train=True):
     return engine
 
 
+BATCH_SEED = 1  # a data-parallel test sets its own per rank
+
+
 def _batch():
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(BATCH_SEED)
     ids = torch.randint(0, VOCAB, (2, 10), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100
@@ -122,9 +125,9 @@ def _plain_run(model, loss_fn, steps=2):
     return losses, grads, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def _engine_run(model, loss_fn, steps=2):
-    """The same under ZeRO-3: the loss computed inside the engine's forward (loss_fn(engine, module))."""
-    engine = _engine(model)
+def _engine_run(model, loss_fn, steps=2, stage=3):
+    """The same under ZeRO-``stage``: the loss computed inside the engine's forward (loss_fn(engine, module))."""
+    engine = _engine(model, stage=stage)
     losses, grads = [], None
     for _ in range(steps):
         loss = loss_fn(engine, engine.module)
@@ -146,14 +149,14 @@ def _assert_close(mine, theirs, tol=1e-5, what=""):
         assert rel_err(a, b) < tol, (what, "loss", losses, theirs[0])
 
 
-def _run_three(loss_fn, install):
+def _run_three(loss_fn, install, stage=3):
     """(ours on the engine, TRL's own head on the engine, ours on the unpartitioned model)."""
     import fused_linear_ce
 
-    theirs = _engine_run(_model(32, 0), loss_fn)
+    theirs = _engine_run(_model(32, 0), loss_fn, stage=stage)
     replaced = fused_linear_ce.use_in_trl() if install else None
     try:
-        mine = _engine_run(_model(32, 0), loss_fn)
+        mine = _engine_run(_model(32, 0), loss_fn, stage=stage)
         plain = _plain_run(_model(32, 0), loss_fn)
     finally:
         if replaced is not None:
@@ -347,7 +350,8 @@ def test_patch_model_under_zero3_and_the_functions_refuse_a_partition(world):
 def _fsdp_worker(rank, world, port, kind):
     """FSDP2 (``fully_shard`` on the layers and the root, gloo): the student's head is whole inside the
     root's forward, where the loss runs; the teacher's, resharded after its forward, is read there as a
-    DTensor, which TRL's loss, and ours, gather with ``full_tensor()``. Ours equals TRL's own."""
+    DTensor, which TRL's loss, and ours, gather with ``full_tensor()``. Ours equals TRL's own: the loss
+    and every gradient at each of two SGD steps."""
     from test_parallel import _init as _init_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -380,23 +384,28 @@ def _fsdp_worker(rank, world, port, kind):
             student._fused_head_added = True
             loss_fn = functools.partial(_fused_head_loss, kind)
         student = sharded(student)
-        replaced = fused_linear_ce.use_in_trl() if install else None
-        try:
-            loss = loss_fn(student, student)
-            loss.backward()
-        finally:
-            if replaced is not None:
-                replaced.restore()
-        if kind == "distill":
-            from torch.distributed.tensor import DTensor
+        optimizer = torch.optim.SGD(student.parameters(), lr=LR)
+        steps = []
+        for _ in range(2):  # two optimizer steps: the second runs on the sharded parameters the first updated
+            optimizer.zero_grad()
+            replaced = fused_linear_ce.use_in_trl() if install else None
+            try:
+                loss = loss_fn(student, student)
+                loss.backward()
+            finally:
+                if replaced is not None:
+                    replaced.restore()
+            if kind == "distill":
+                from torch.distributed.tensor import DTensor
 
-            assert isinstance(teacher.lm_head.weight, DTensor)
-        grads = {n: p.grad.full_tensor() for n, p in student.named_parameters()}
-        results.append((loss.detach(), grads))
-    (theirs, their_grads), (mine, my_grads) = results
-    assert rel_err(mine, theirs) < 1e-5, (mine, theirs)
-    for name in their_grads:
-        assert rel_err(my_grads[name], their_grads[name]) < 1e-4, name
+                assert isinstance(teacher.lm_head.weight, DTensor)
+            steps.append((loss.detach(), {n: p.grad.full_tensor() for n, p in student.named_parameters()}))
+            optimizer.step()
+        results.append(steps)
+    for step, ((theirs, their_grads), (mine, my_grads)) in enumerate(zip(*results)):
+        assert rel_err(mine, theirs) < 1e-5, (step, mine, theirs)
+        for name in their_grads:
+            assert rel_err(my_grads[name], their_grads[name]) < 1e-4, (step, name)
     _exit_cleanly()
 
 
