@@ -52,67 +52,64 @@ def precision(target: str) -> str:
     return "tf32" if arch_of(target).tf32 else "ieee"
 
 
-def cases(target: str = "90", tables: str | None = None) -> list[Case]:
-    """Every configuration the package launches on ``target`` (``arch_of``): its family's tiles
-    (``tables``: another family's, to compare), TMA where the family has it."""
-    import torch
+class _Builder:
+    """The cases of one target with one family's tiles: each method builds one kind of launch, as the
+    package's launcher builds it there."""
 
-    from fused_linear_ce import configs
+    def __init__(self, target: str, fam: str):
+        import torch
 
-    fam = tables or arch_of(target).name
-    tma = arch_of(target).tma
-    bf16 = torch.bfloat16
-    sweep, chunked = configs.tiles("sweep", bf16, None, where=fam), configs.tiles("chunked", bf16, None, where=fam)
-    small = configs.tiles("chunked", bf16, 1024, where=fam)
-    mm = configs.matmul_config(bf16, role="product", where=fam)
-    pr = configs.matmul_config(bf16, role="paired_rows", where=fam)
-    comp = configs.matmul_config(bf16, role="compensated", where=fam)
-    dlogits = configs.tiles("dlogits", bf16, None, where=fam)
-    logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
-                 INPUT_PRECISION=precision(target), TMA=tma)
-    forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
-                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, E_T=False, GROUP_M=0,
-                   SKIP_IGNORED=True)
+        from fused_linear_ce import configs
 
-    def d(**blocks):
+        self.fam, self.tma, bf16 = fam, arch_of(target).tma, torch.bfloat16
+        self.sweep, self.chunked, self.dlogits = (configs.tiles(role, bf16, None, where=fam)
+                                                  for role in ("sweep", "chunked", "dlogits"))
+        self.small = configs.tiles("chunked", bf16, 1024, where=fam)
+        self.mm, self.pr, self.comp = (configs.matmul_config(bf16, role=role, where=fam)
+                                       for role in ("product", "paired_rows", "compensated"))
+        self.store_tma = configs.transposed_store_tma(fam)
+        sweep, dlogits, mm = self.sweep, self.dlogits, self.mm
+        logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
+                     INPUT_PRECISION=precision(target), TMA=self.tma)
+        self.forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False,
+                            BLOCK_N=sweep.block_n, BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False,
+                            E_T=False, GROUP_M=0, SKIP_IGNORED=True)
+        self.backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False,
+                             BLOCK_N=dlogits.block_n, BLOCK_V=dlogits.block_v, BLOCK_H=dlogits.block_h,
+                             GROUP_M=dlogits.group_m)
+        self.matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
+                           GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
+                           INPUT_PRECISION=precision(target), TMA=self.tma, B_T=False, COMPENSATED=False,
+                           C_TMA=mm.c_tma and self.tma, SPLIT_PAIR=False, SPLIT_K=1)
+
+    def d(self, **blocks):
         """Descriptor arguments where the target has TMA; pointers (no descriptors) elsewhere."""
-        return blocks if tma else {}
+        return blocks if self.tma else {}
 
-    descs = d(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
-    backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n,
-                    BLOCK_V=dlogits.block_v, BLOCK_H=dlogits.block_h, GROUP_M=dlogits.group_m)
-    dlogits_descs = d(hidden_desc=(dlogits.block_n, dlogits.block_h), weight_desc=(dlogits.block_v, dlogits.block_h))
-    matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
-                  GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
-                  INPUT_PRECISION=precision(target), TMA=tma, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma and tma,
-                  SPLIT_PAIR=False, SPLIT_K=1)
-    # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
-    # strided one always through pointers ("matmul, pointers").
-    c_desc = d(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
-
-    def mm_case(name, cfg, extra, descs_, c_dtype="*bf16", lo_dtype="bf16", dtype="bf16"):
+    def mm_case(self, name, cfg, extra, descs, c_dtype="*bf16", lo_dtype="bf16"):
         return Case(name, "matmul_kernel", "gemm",
-                    dict(matmul, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                         **extra), descs_, cfg.num_warps, cfg.num_stages, c_dtype=c_dtype, lo_dtype=lo_dtype,
-                    dtype=dtype)
+                    dict(self.matmul, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k,
+                         GROUP_M=cfg.group_m, **extra), descs, cfg.num_warps, cfg.num_stages, c_dtype=c_dtype,
+                    lo_dtype=lo_dtype)
 
-    def pair(name, cfg, A_T, lo_dtype="bf16"):
+    def pair(self, name, cfg, A_T, lo_dtype="bf16"):
         """A product summed into a compensated pair (through descriptors where the target has TMA) at
         ``cfg``, its epilogue on column halves where ``cfg.split_pair`` says, as ``gemm.matmul``
         launches it."""
         c_block = (cfg.block_m, cfg.block_p // 2 if cfg.split_pair else cfg.block_p)
         lo_block = (c_block[0], c_block[1] // 2) if lo_dtype == "u8" else c_block  # 4-bit: two a byte
         a_desc = (cfg.block_k, cfg.block_m) if A_T else (cfg.block_m, cfg.block_k)
-        return mm_case(name, cfg, dict(A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=tma,
-                                       SPLIT_PAIR=cfg.split_pair and tma),
-                       d(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=lo_block),
-                       lo_dtype=lo_dtype)
+        return self.mm_case(name, cfg, dict(A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=self.tma,
+                                            SPLIT_PAIR=cfg.split_pair and self.tma),
+                            self.d(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=lo_block),
+                            lo_dtype=lo_dtype)
 
-    def gradient(name, entropy_grad, bias_grad, rows=None, warps=None, class_major=False, cfg=chunked):
+    def gradient(self, name, entropy_grad, bias_grad, rows=None, warps=None, class_major=False, cfg=None):
         """The chunked path's in-place gradient kernel (pointer loads) as ``chunked.gradient_in_place``
         launches it: the sweep's vocabulary tiles, ``gradient_rows`` / ``gradient_warps`` unless given."""
         from fused_linear_ce import chunked as chunked_module
 
+        cfg = cfg or self.chunked
         rows = rows or chunked_module.gradient_rows(cfg, entropy_grad)
         warps = warps or chunked_module.gradient_warps(cfg, entropy_grad)  # never interpreted here
         return Case(name, "softmax_gradient_kernel", "chunked",
@@ -121,77 +118,119 @@ def cases(target: str = "90", tables: str | None = None) -> list[Case]:
                          STATS_V=cfg.block_v, BF16_EMULATION=False),
                     {}, warps, 1, unit_strides=("stride_e",) if class_major else ("stride_ev",))
 
-    def chunked_sweep(name, cfg=chunked, **extra):
+    def chunked_sweep(self, name, cfg=None, **extra):
         """The chunked path's sweep (STORE_E, its exponentials through a descriptor where the target
         has TMA, over the buffer's transpose with E_T) at ``cfg``'s tiles on a ragged V, as
         ``sweep._triton_sweep`` launches it."""
-        e_block = (cfg.block_v, cfg.block_n) if extra.get("E_T") else (cfg.block_n, cfg.block_v)
+        cfg = cfg or self.chunked
+        e_t = extra.get("E_T", False)
+        e_block = (cfg.block_v, cfg.block_n) if e_t else (cfg.block_n, cfg.block_v)
         return Case(name, "lse_sweep_kernel", "sweep_kernels",
-                    dict(forward, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_V=False,
-                         STORE_E=True, GROUP_M=cfg.group_m, **extra,
-                         E_TMA=tma and (not extra.get("E_T") or configs.transposed_store_tma(fam))),
-                    d(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h),
-                      **({} if extra.get("E_T") and not configs.transposed_store_tma(fam) else dict(e_desc=e_block))),
-                    cfg.num_warps, cfg.num_stages,
-                    unit_strides=("stride_e",) if extra.get("E_T") else ("stride_ev",))
+                    dict(self.forward, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_V=False,
+                         STORE_E=True, GROUP_M=cfg.group_m, **extra, E_TMA=self.tma and (not e_t or self.store_tma)),
+                    self.d(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h),
+                           **({} if e_t and not self.store_tma else dict(e_desc=e_block))),
+                    cfg.num_warps, cfg.num_stages, unit_strides=("stride_e",) if e_t else ("stride_ev",))
 
-    def sweep_case(name, **extra):
-        return Case(name, "lse_sweep_kernel", "sweep_kernels", dict(forward, **extra), descs, sweep.num_warps,
-                    sweep.num_stages)
+    def sweep_case(self, name, **extra):
+        sweep = self.sweep
+        return Case(name, "lse_sweep_kernel", "sweep_kernels", dict(self.forward, **extra),
+                    self.d(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h)),
+                    sweep.num_warps, sweep.num_stages)
 
-    def dlogits_case(name, **extra):
-        return Case(name, "dlogits_kernel", "recompute", dict(backward, **extra), dlogits_descs, dlogits.num_warps,
-                    dlogits.num_stages)
+    def dlogits_case(self, name, **extra):
+        cfg = self.dlogits
+        return Case(name, "dlogits_kernel", "recompute", dict(self.backward, **extra),
+                    self.d(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h)),
+                    cfg.num_warps, cfg.num_stages)
 
+
+def _logit_cases(b: _Builder) -> list[Case]:
+    """The sweeps (forward, chunked, per-token) and the recompute backward's dlogits kernel."""
+    from fused_linear_ce import configs
+
+    return [
+        b.sweep_case("sweep"),
+        b.sweep_case("sweep, ragged V", EVEN_V=False),
+        b.sweep_case("sweep, metrics", METRICS=True),
+        b.sweep_case("sweep, metrics, ragged V", METRICS=True, EVEN_V=False),
+        b.chunked_sweep("chunked sweep"),
+        b.chunked_sweep("chunked sweep, class-major", E_T=True),
+        b.chunked_sweep("chunked sweep, H <= 1024", cfg=b.small),
+        b.chunked_sweep("chunked sweep, metrics", METRICS=True),
+        b.chunked_sweep("chunked sweep, softcap and bias", configs.chunked_epilogue(b.chunked, True, True),
+                        HAS_SOFTCAP=True, HAS_BIAS=True),
+        b.sweep_case("sweep, every per-token field", METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False),
+        b.dlogits_case("dlogits", HAS_BIAS=False, BIAS_GRAD=False),
+        b.dlogits_case("dlogits, bias gradient", HAS_BIAS=True, BIAS_GRAD=True),
+        b.dlogits_case("dlogits, entropy gradient", ENTROPY_GRAD=True, HAS_BIAS=False, BIAS_GRAD=False),
+    ]
+
+
+def _product_cases(b: _Builder) -> list[Case]:
+    """Every use of the Triton matmul: plain, through da's transpose, summed in fp32, split K, and
+    summed into a compensated pair."""
+    mm, d = b.mm, b.d
+    # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
+    # strided one always through pointers ("matmul, pointers").
+    c_desc = d(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
     a_t_descs = d(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p))
     a_descs = d(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p))
-    out = [
-        sweep_case("sweep"),
-        sweep_case("sweep, ragged V", EVEN_V=False),
-        sweep_case("sweep, metrics", METRICS=True),
-        sweep_case("sweep, metrics, ragged V", METRICS=True, EVEN_V=False),
-        chunked_sweep("chunked sweep"),
-        chunked_sweep("chunked sweep, class-major", E_T=True),
-        chunked_sweep("chunked sweep, H <= 1024", cfg=small),
-        chunked_sweep("chunked sweep, metrics", METRICS=True),
-        chunked_sweep("chunked sweep, softcap and bias", configs.chunked_epilogue(chunked, True, True), HAS_SOFTCAP=True,
-                      HAS_BIAS=True),
-        sweep_case("sweep, every per-token field", METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False),
-        dlogits_case("dlogits", HAS_BIAS=False, BIAS_GRAD=False),
-        dlogits_case("dlogits, bias gradient", HAS_BIAS=True, BIAS_GRAD=True),
-        dlogits_case("dlogits, entropy gradient", ENTROPY_GRAD=True, HAS_BIAS=False, BIAS_GRAD=False),
-        mm_case("matmul, da^T", mm, dict(A_T=True), dict(a_t_descs, **c_desc)),
-        mm_case("matmul", mm, dict(A_T=False), dict(a_descs, **c_desc)),
-        mm_case("matmul, da^T, fp32 sum", mm, dict(A_T=True, ACCUMULATE=True), dict(a_t_descs, **c_desc),
-                c_dtype="*fp32"),
-        mm_case("matmul, pointers", mm, dict(A_T=False, C_TMA=False), a_descs),
+    return [
+        b.mm_case("matmul, da^T", mm, dict(A_T=True), dict(a_t_descs, **c_desc)),
+        b.mm_case("matmul", mm, dict(A_T=False), dict(a_descs, **c_desc)),
+        b.mm_case("matmul, da^T, fp32 sum", mm, dict(A_T=True, ACCUMULATE=True), dict(a_t_descs, **c_desc),
+                  c_dtype="*fp32"),
+        b.mm_case("matmul, pointers", mm, dict(A_T=False, C_TMA=False), a_descs),
         # grad_hidden's K reduction in two halves added into fp32 by atomics (``gemm.split_k``)
-        mm_case("matmul, split K", mm, dict(A_T=False, C_TMA=tma, HAS_SCALE=False, SPLIT_K=2),
-                dict(a_descs, **d(c_desc=(mm.block_m, mm.block_p // 2))), c_dtype="*fp32"),
-        pair("matmul, da^T, compensated", comp, A_T=True),
-        pair("matmul, da^T, compensated int8", comp, A_T=True, lo_dtype="i8"),
-        pair("matmul, da^T, compensated 4-bit", comp, A_T=True, lo_dtype="u8"),
-        pair("matmul, compensated int8", comp, A_T=False, lo_dtype="i8"),
-        pair("matmul, paired rows", pr, A_T=False, lo_dtype="i8"),
-        gradient("chunked gradient", entropy_grad=False, bias_grad=False),
-        gradient("chunked gradient, class-major", entropy_grad=False, bias_grad=False, class_major=True),
-        gradient("chunked gradient, class-major, bias gradient", entropy_grad=False, bias_grad=True, class_major=True),
-        gradient("chunked gradient, bias gradient", entropy_grad=False, bias_grad=True),
-        gradient("chunked gradient, entropy gradient", entropy_grad=True, bias_grad=False),
-        gradient("chunked gradient, entropy and bias gradients", entropy_grad=True, bias_grad=True),
-        gradient("chunked gradient, H <= 1024", entropy_grad=False, bias_grad=False, cfg=small),
+        b.mm_case("matmul, split K", mm, dict(A_T=False, C_TMA=b.tma, HAS_SCALE=False, SPLIT_K=2),
+                  dict(a_descs, **d(c_desc=(mm.block_m, mm.block_p // 2))), c_dtype="*fp32"),
+        b.pair("matmul, da^T, compensated", b.comp, A_T=True),
+        b.pair("matmul, da^T, compensated int8", b.comp, A_T=True, lo_dtype="i8"),
+        b.pair("matmul, da^T, compensated 4-bit", b.comp, A_T=True, lo_dtype="u8"),
+        b.pair("matmul, compensated int8", b.comp, A_T=False, lo_dtype="i8"),
+        b.pair("matmul, paired rows", b.pr, A_T=False, lo_dtype="i8"),
     ]
-    if tma:  # the pointer fallbacks of layouts TMA cannot take (reported, not held); without TMA the above
-        out += [
-            pair("matmul, compensated int8, unsplit", dataclasses.replace(comp, split_pair=False), A_T=False,
-                 lo_dtype="i8"),
-            gradient("chunked gradient, entropy gradient, the sweep's rows", entropy_grad=True, bias_grad=False,
-                     rows=chunked.block_n, warps=8),
-            mm_case("matmul, da^T, compensated, pointers", comp,
-                    dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
-                    d(a_desc=(comp.block_k, comp.block_m), b_desc=(comp.block_k, comp.block_p))),
-        ]
-    return out + fp32_cases(target, fam) + divergence_cases(fam)
+
+
+def _gradient_cases(b: _Builder) -> list[Case]:
+    """The chunked path's in-place gradient kernel in each of its variants."""
+    return [
+        b.gradient("chunked gradient", entropy_grad=False, bias_grad=False),
+        b.gradient("chunked gradient, class-major", entropy_grad=False, bias_grad=False, class_major=True),
+        b.gradient("chunked gradient, class-major, bias gradient", entropy_grad=False, bias_grad=True,
+                   class_major=True),
+        b.gradient("chunked gradient, bias gradient", entropy_grad=False, bias_grad=True),
+        b.gradient("chunked gradient, entropy gradient", entropy_grad=True, bias_grad=False),
+        b.gradient("chunked gradient, entropy and bias gradients", entropy_grad=True, bias_grad=True),
+        b.gradient("chunked gradient, H <= 1024", entropy_grad=False, bias_grad=False, cfg=b.small),
+    ]
+
+
+def _fallback_cases(b: _Builder) -> list[Case]:
+    """On TMA targets, the pointer fallbacks of layouts TMA cannot take (reported, not held); without
+    TMA the cases above are those already."""
+    if not b.tma:
+        return []
+    comp = b.comp
+    return [
+        b.pair("matmul, compensated int8, unsplit", dataclasses.replace(comp, split_pair=False), A_T=False,
+               lo_dtype="i8"),
+        b.gradient("chunked gradient, entropy gradient, the sweep's rows", entropy_grad=True, bias_grad=False,
+                   rows=b.chunked.block_n, warps=8),
+        b.mm_case("matmul, da^T, compensated, pointers", comp,
+                  dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
+                  b.d(a_desc=(comp.block_k, comp.block_m), b_desc=(comp.block_k, comp.block_p))),
+    ]
+
+
+def cases(target: str = "90", tables: str | None = None) -> list[Case]:
+    """Every configuration the package launches on ``target`` (``arch_of``): its family's tiles
+    (``tables``: another family's, to compare), TMA where the family has it."""
+    fam = tables or arch_of(target).name
+    b = _Builder(target, fam)
+    return (_logit_cases(b) + _product_cases(b) + _gradient_cases(b) + _fallback_cases(b)
+            + fp32_cases(target, fam) + divergence_cases(fam))
 
 
 def fp32_cases(target: str = "90", fam: str = "sm90") -> list[Case]:

@@ -40,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "torch-ext"))
 
-from register_cases import Case, arch_of, cases, matmul_cases, pingpong_cases  # noqa: E402  (Case: tests build their own)
+# Case: tests build their own (test_divergence.py)
+from register_cases import Case, arch_of, cases, matmul_cases, pingpong_cases  # noqa: E402
 
 # Non-constexpr arguments by name: fp32 / int pointers; every other pointer is the input dtype (bf16).
 _FP32_PTRS = {"stats_ptr", "lse_ptr", "coef_ptr", "class_weight_ptr", "dbias_ptr", "scale_ptr", "tile_max_ptr",

@@ -53,7 +53,8 @@ def main():
     from tune import problem
 
     every_h = contextlib.ExitStack()  # held to the end of the run: the ping-pong sweep at every H,
-    every_h.enter_context(configs.override("sm90", pingpong=replace(configs.pingpong(1), max_h=1 << 30)))  # to find its bucket's end
+    everywhere = replace(configs.pingpong(1), max_h=1 << 30)  # to find its bucket's end
+    every_h.enter_context(configs.override("sm90", pingpong=everywhere))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

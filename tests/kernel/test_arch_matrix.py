@@ -103,7 +103,8 @@ def test_every_path_is_in_the_matrix(cuda_matrix, amd_matrix):
     and its gradient kernels, dlogits, every matmul use, fp32, the divergence's row kernel."""
     names = {target: {r["name"] for r in rows} for target, rows in {**cuda_matrix, **amd_matrix}.items()}
     needed = {"sweep", "sweep, metrics, ragged V", "sweep, every per-token field", "chunked sweep",
-              "chunked sweep, class-major", "chunked sweep, softcap and bias", "chunked gradient, entropy and bias gradients",
+              "chunked sweep, class-major", "chunked sweep, softcap and bias",
+              "chunked gradient, entropy and bias gradients",
               "dlogits, bias gradient", "dlogits, entropy gradient", "matmul, da^T, fp32 sum", "matmul, split K",
               "matmul, da^T, compensated 4-bit", "matmul, paired rows", "fp32 matmul, da^T, sum"}
     for target, have in names.items():
@@ -166,6 +167,7 @@ def family_row(arch: archs.Arch) -> str:
 
 def test_gpus_doc_family_table_is_the_records():
     """docs/gpus.md's family table has exactly one row a record, each cell the record's."""
-    rows = ["| " + " | ".join(row) + " |" for row in _table_rows((REPO / "docs" / "gpus.md").read_text(), "## Families")]
+    doc = (REPO / "docs" / "gpus.md").read_text()
+    rows = ["| " + " | ".join(row) + " |" for row in _table_rows(doc, "## Families")]
     want = [family_row(arch) for arch in archs.ARCHS]
     assert rows == want, "docs/gpus.md's family table should read:\n" + "\n".join(want)

@@ -131,7 +131,8 @@ def test_each_family_picks_its_tables(monkeypatch, name):
     table = archs.get(fam).tables_for(configs.triton_version())
     for role in configs.ROLES:
         for h in (896, 4096, None):
-            assert configs.tiles(role, torch.bfloat16, h, where=CUDA) == configs.tiles(role, torch.bfloat16, h, where=fam)
+            want = configs.tiles(role, torch.bfloat16, h, where=fam)
+            assert configs.tiles(role, torch.bfloat16, h, where=CUDA) == want
             assert configs.tiles(role, torch.float32, h, where=CUDA) == table.sweep_fp32
     for role in configs.MATMUL_ROLES:
         assert configs.matmul_config(torch.bfloat16, role=role, where=CUDA) == getattr(table, role)
@@ -350,7 +351,8 @@ def test_override_is_the_one_way_to_other_tiles():
         assert configs.tiles("sweep", bf16, 4096, where="sm80") == small
         assert configs.tables("sm86") == archs.get("sm86").tables_for(configs.triton_version())
         with configs.override(each=lambda cfg: dataclasses.replace(cfg, tma=False)):
-            assert not configs.tiles("sweep", bf16, where="sm80").tma and not configs.matmul_config(bf16, where="sm90").tma
+            assert not configs.tiles("sweep", bf16, where="sm80").tma
+            assert not configs.matmul_config(bf16, where="sm90").tma
         assert configs.matmul_config(bf16, where="sm90").tma
     assert configs.tables("sm80") == before
     with pytest.raises(ValueError, match="unknown architecture family"):
