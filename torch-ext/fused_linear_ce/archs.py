@@ -268,9 +268,9 @@ _SM120 = Tables(sweep=_one(_SQUARE), chunked=_one(replace(_SQUARE, group_m=16)),
 
 # ---- ROCm --------------------------------------------------------------------------------------------
 # No TMA (tensor descriptors lower to pointer loads there) and no Gluon ping-pong: the kernels with
-# pointer loads, as below sm_90. Chosen offline (Triton 3.6's AMD backend, ``scripts/registers.py
-# --arch gfx942``, Triton 3.6 and 3.9; docs/gpus.md has the figures): every configuration compiles,
-# fits the workgroup's LDS and spills nothing to scratch. Not run on AMD hardware: ``autotune`` tunes
+# pointer loads, as below sm_90. Chosen offline with Triton's AMD backend (``scripts/registers.py
+# --arch gfx942``; docs/gpus.md has the figures): under Triton 3.6 and 3.9 every configuration
+# compiles, fits the workgroup's LDS and spills nothing to scratch. Not run on AMD hardware: ``autotune`` tunes
 # for the exact shape.
 # 2 stages, the AMD backend's usual software pipelining for one product with an epilogue (3 stages
 # take the sweep's whole 64 KB of LDS with 128 x 128 tiles).
