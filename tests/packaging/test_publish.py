@@ -183,6 +183,8 @@ def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
     releases = upload.release_history(RecordingApi.last, clone, "trl-lib/fused-linear-ce", "kernel", "hf_test")
     assert card.path_in_repo == "README.md" and card.path_or_fileobj == make_card.render_card(clone, releases).encode()
     assert branch_commit["commit_message"].startswith("Upload fused-linear-ce v1 from " + git(clone, "rev-parse", "HEAD").strip())
+    pinned = RecordingApi.last.history["v1"][0].commit_id
+    assert f'branch v1 is at commit {pinned}: pin this release with revision="{pinned}"' in capsys.readouterr().out
 
 
 def test_a_new_branch_drops_the_build_files_it_inherits_from_main(clone, monkeypatch, capsys):
