@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr)
         return 3
     print(f"upload.py: published {repo_id} ({args.repo_type}) branch {branch} and the card on {MAIN}")
-    print(f"upload.py: branch {branch} is at commit {commit}: pin this release with revision=\"{commit}\" (README: Pin it)")
+    print(f'upload.py: branch {branch} is at commit {commit}: pin this release with revision="{commit}"')
     return 0
 
 

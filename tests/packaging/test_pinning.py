@@ -118,8 +118,8 @@ def newer_release(hub_cache: Path) -> tuple[str, Path]:
 
 
 def change_one_byte(snapshot: Path) -> Path:
-    """Changes the first byte of the variant's __init__.py in the cache (its blob): the docstring's
-    first letter, so the module still imports and shows which file ran."""
+    """Changes one byte of the variant's __init__.py in the cache (its blob): the docstring's first
+    letter, "f" to "F", so the module still imports and shows which file ran."""
     init = snapshot / "build" / VARIANT / "__init__.py"
     data = init.read_bytes()
     assert data.startswith(b'"""fused-linear-ce')
@@ -151,7 +151,8 @@ def test_the_publish_step_records_each_release_on_the_card():
     commit = upload.publish(api, REPO, repo_id=REPO_ID, repo_type="kernel", token="hf_test", build_dir=None)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert api.history[BRANCH][0].commit_id == commit and re.fullmatch("[0-9a-f]{40}", commit)
-    assert api.history[BRANCH][0].title == upload.release_title(REPO, head) == f"Upload {GENERAL['name']} {BRANCH} from {head}"
+    title = f"Upload {GENERAL['name']} {BRANCH} from {head}"
+    assert api.history[BRANCH][0].title == upload.release_title(REPO, head) == title
     card_commit = [kw for name, kw in api.calls if name == "create_commit" and kw["revision"] == "main"]
     card = card_commit[0]["operations"][0].path_or_fileobj.decode()
     _, sections = make_card.split_sections(card)
@@ -192,8 +193,10 @@ def test_an_unknown_commit_fails_with_kernels_own_error(hub_cache):
 
 @pytest.fixture
 def hub_api(monkeypatch):
-    """The Hub calls of `kernels lock` and `kernels download`, answered for one release: `set(commit,
-    trusted)`. Files are read from the cache (offline, hf_hub_download finds them by commit)."""
+    """The Hub calls of `kernels lock` and `kernels download`, answered for one release, set by the
+    returned `set_release(commit, trusted=...)`: v1 is at `commit`, its build/ holds every variant of
+    the checkout, the publisher is trusted or not. Files are read from the cache (offline,
+    hf_hub_download finds them by commit)."""
     state = SimpleNamespace(commit=None, trusted=False, variants=[])
 
     def list_repo_refs(self, repo_id, **kwargs):
@@ -227,13 +230,16 @@ def kernels_cli(monkeypatch, *args: str) -> None:
     cli_main()()
 
 
-@pytest.fixture
-def project(tmp_path) -> Path:
+def new_project(folder: Path) -> Path:
     """A project declaring the kernel as the README's pyproject block does."""
-    folder = tmp_path / "project"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "pyproject.toml").write_text('[project]\nname = "trainer"\nversion = "0"\n\n' + readme_blocks("toml")[0])
     return folder
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    return new_project(tmp_path / "project")
 
 
 def test_kernels_lock_writes_the_commit_as_the_readme_shows(hub_cache, hub_api, project, monkeypatch):
@@ -360,9 +366,7 @@ def run_readme_blocks(tmp_path: Path, name: str, blocks: list[str]) -> tuple[str
     sockets refused, running `blocks` statement by statement (`model`: a tiny Llama)."""
     home = tmp_path / name / "hf_home"
     commit, snapshot = release(home / "hub")
-    project = tmp_path / name / "project"
-    project.mkdir()
-    (project / "pyproject.toml").write_text('[project]\nname = "trainer"\nversion = "0"\n\n' + readme_blocks("toml")[0])
+    project = new_project(tmp_path / name / "project")
     (project / "kernels.lock").write_text(lock_json(commit))
     (project / "blocks.json").write_text(json.dumps(blocks))
     (project / "child.py").write_text(SIMULATED_CUDA + _README_CHILD)
@@ -396,4 +400,5 @@ def test_the_readme_locked_load_of_a_changed_cache(tmp_path):
         assert proc.returncode != 0 and DIGEST_REFUSAL in proc.stderr, proc.stderr[-3000:]
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert json.loads(proc.stdout.strip().splitlines()[-1])["loaded"] == [str(snapshot / "build" / VARIANT / "__init__.py")] * 2
+        loaded = json.loads(proc.stdout.strip().splitlines()[-1])["loaded"]
+        assert loaded == [str(snapshot / "build" / VARIANT / "__init__.py")] * 2
