@@ -172,6 +172,8 @@ def test_revision_loads_that_commit_while_the_branch_moves_on(hub_cache):
     pinned, snapshot = release(hub_cache)
     moved, newer_snapshot = newer_release(hub_cache)
     assert moved != pinned and re.fullmatch("[0-9a-f]{40}", pinned)
+    variants = {p.name for p in (REPO / "build").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert {p.name for p in (snapshot / "build").iterdir()} == variants  # torch-cuda, and any other
     kernel = get_kernel(REPO_ID, revision=pinned)
     assert variant_of(kernel) == snapshot / "build" / VARIANT
     assert kernel.__name__ == Metadata.read_from_file(snapshot / "build" / VARIANT / "metadata.json").id
