@@ -54,6 +54,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
@@ -168,7 +169,7 @@ def plan_operations(
     return ops + card_operations(repo)
 
 
-def card_operations(repo_root: Path, releases: list[make_card.Release] = ()) -> list[Operation]:
+def card_operations(repo_root: Path, releases: Sequence[make_card.Release] = ()) -> list[Operation]:
     """The uploads to `main`: the card (with `releases`, newest first, in its "Releases" section) and
     the files it shows or links to."""
     repo = Path(repo_root)
