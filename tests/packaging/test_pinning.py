@@ -365,16 +365,17 @@ print(json.dumps(result))
 def run_readme_blocks(tmp_path: Path, name: str, blocks: list[str]) -> tuple[str, Path, Callable]:
     """A fresh cache (`tmp_path/name`) holding the release, a project with the README's pyproject block and
     hand-written kernels.lock for it, and a fresh interpreter on a simulated CUDA machine, offline and with
-    sockets refused, running `blocks` statement by statement (`model`: a tiny Llama)."""
+    sockets refused, running `blocks` statement by statement (`model`: a tiny Llama on the CPU, so the
+    kernels run in Triton's interpreter, GPU or not)."""
     home = tmp_path / name / "hf_home"
     commit, snapshot = release(home / "hub")
     project = new_project(tmp_path / name / "project")
     (project / "kernels.lock").write_text(lock_json(commit))
     (project / "blocks.json").write_text(json.dumps(blocks))
     (project / "child.py").write_text(SIMULATED_CUDA + _README_CHILD)
+    env = guarded_env(tmp_path / name, home, TRITON_INTERPRET="1")
     return commit, snapshot, lambda: subprocess.run(
-        [sys.executable, "child.py", commit], cwd=project, env=guarded_env(tmp_path / name, home),
-        capture_output=True, text=True, timeout=300)
+        [sys.executable, "child.py", commit], cwd=project, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_readme_pin_section_as_a_new_user(tmp_path):
