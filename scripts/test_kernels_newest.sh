@@ -23,6 +23,7 @@ FILES=(
     tests/packaging/test_layout.py
     tests/packaging/test_loader.py
     tests/packaging/test_hub_cache.py
+    tests/packaging/test_pinning.py
     tests/packaging/test_publish.py
     tests/packaging/test_kernels_tools.py
     tests/packaging/test_workflows.py

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from huggingface_hub import constants, get_cached_repo_tree, snapshot_download
-from hub_offline import build_hub_cache, guarded_env, hf_env, load_script, refuse_network
+from huggingface_hub import get_cached_repo_tree, snapshot_download
+from hub_offline import build_hub_cache, guarded_env, offline_hub, version_branch_files
 from kernels import Metadata, get_kernel, has_kernel
-from kernels_api import KERNELS_CLI, resolver, versions
+from kernels_api import KERNELS_CLI, versions
 from kernels_api import VERSION as KERNELS_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,16 +35,9 @@ TORCH_IS_CPU_BUILD = torch.version.cuda is None and torch.version.hip is None
 HAS_GPU = torch.cuda.is_available()
 
 
-upload = load_script("upload")
-
 
 def branch_files() -> dict[str, bytes]:
-    """What the version branch holds after scripts/upload.py, plus the .gitattributes of a new Hub repo."""
-    ops = upload.plan_operations(REPO, None)
-    files = {op.path: op.source.read_bytes() for op in ops if op.action == "upload" and op.branch == BRANCH}
-    assert any(p.startswith("build/torch-cuda/") for p in files)
-    files[".gitattributes"] = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
-    return files
+    return version_branch_files(REPO)
 
 
 def variant_refusal(commit: str) -> str:
@@ -56,20 +49,8 @@ def variant_refusal(commit: str) -> str:
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
-    """Offline mode with an empty cache in tmp_path, set both in the environment and in the constants
-    the libraries read at import time; LOCAL_KERNELS unset so that the cache is what resolves."""
-    home = tmp_path / "hf_home"
-    for key, value in hf_env(home).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
-    monkeypatch.delenv("KERNELS_CACHE", raising=False)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    if hasattr(resolver, "CACHE_DIR"):  # 0.17 reads KERNELS_CACHE at import time, 0.19 on each call
-        monkeypatch.setattr(resolver, "CACHE_DIR", None)  # KERNELS_CACHE unset: the HF hub cache
-    refuse_network(monkeypatch)
-    return home / "hub"
+    """Offline mode with an empty cache in tmp_path (`offline_hub`)."""
+    return offline_hub(monkeypatch, tmp_path / "hf_home")
 
 
 def test_cache_layout_is_what_the_libraries_read(hub_cache):

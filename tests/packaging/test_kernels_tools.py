@@ -20,8 +20,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
-from hub_offline import load_script
+from hub_offline import load_script, simulate_cuda
 from kernels import Metadata, get_kernel, get_local_kernel
 from kernels_api import HAS_DESCRIBE_API, KERNELS_CLI, LOCAL_CHECK_ARCH, cli_main
 
@@ -145,15 +144,8 @@ def covers(archs: list[str], capability: tuple[int, int]) -> bool:
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """Makes torch report a CUDA build with one GPU of the capability the test sets."""
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-
-    def set_capability(capability):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-
-    return set_capability
+    """Makes torch report a CUDA build with one GPU of the capability the test sets (`simulate_cuda`)."""
+    return lambda capability: simulate_cuda(monkeypatch, capability)
 
 
 def _loads(folder: Path, monkeypatch, **check):

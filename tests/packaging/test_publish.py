@@ -25,7 +25,7 @@ import yaml
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import HfHubHTTPError
 from conftest import DEVICE, ON_GPU
-from hub_offline import guarded_env, load_script, refuse_network
+from hub_offline import RecordingHubApi, guarded_env, load_script, refuse_network
 from kernels._rust import Digest, DigestValidationError, Metadata
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,29 +153,10 @@ def test_plan_operations_is_pure_and_carries_the_content(clone):
     assert upload.plan_operations(clone, REMOTE) == upload.plan_operations(clone, REMOTE)
 
 
-class RecordingApi:
-    """Stands in for HfApi: records calls; `BRANCHES` exist, each holding `REMOTE`."""
+class RecordingApi(RecordingHubApi):
+    """The Hub stand-in with both branches holding `REMOTE`."""
 
-    BRANCHES = ["main", "v1"]
-
-    def __init__(self, *args, **kwargs):
-        self.calls: list[tuple[str, dict]] = []
-        RecordingApi.last = self
-
-    def _record(self, name, args, kwargs):
-        self.calls.append((name, {"args": args, **kwargs}))
-
-    def list_repo_refs(self, *args, **kwargs):
-        self._record("list_repo_refs", args, kwargs)
-        branches = [type("Ref", (), {"name": name}) for name in self.BRANCHES]
-        return type("Refs", (), {"branches": branches})
-
-    def list_repo_files(self, *args, **kwargs):
-        self._record("list_repo_files", args, kwargs)
-        return list(REMOTE)
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: self._record(name, args, kwargs)
+    FILES = tuple(REMOTE)
 
 
 def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
@@ -184,11 +165,11 @@ def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
     assert upload.main(["--repo", str(clone), "--token", "hf_test"]) == 0
     calls = RecordingApi.last.calls
     assert [name for name, _ in calls] == [
-        "list_repo_refs", "list_repo_files", "create_repo", "create_commit", "create_commit",
+        "list_repo_refs", "list_repo_files", "create_repo", "create_commit", "list_repo_commits", "create_commit",
     ]
     assert all(kw.get("repo_type") == "kernel" and kw.get("token") == "hf_test" for _, kw in calls)
     assert calls[2][1]["exist_ok"] is True and calls[1][1]["revision"] == "v1"
-    (_, branch_commit), (_, main_commit) = calls[3], calls[4]
+    (_, branch_commit), (_, main_commit) = calls[3], calls[5]
     assert branch_commit["revision"] == "v1" and main_commit["revision"] == "main"
     deleted = [op.path_in_repo for op in branch_commit["operations"] if isinstance(op, CommitOperationDelete)]
     added = [op.path_in_repo for op in branch_commit["operations"] if isinstance(op, CommitOperationAdd)]
@@ -199,8 +180,11 @@ def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
     ]
     assert added == [line.split(" ", 1)[1] for line in branch_lines(clone)]
     card = main_commit["operations"][0]
-    assert card.path_in_repo == "README.md" and card.path_or_fileobj == make_card.render_card(clone).encode()
+    releases = upload.release_history(RecordingApi.last, clone, "trl-lib/fused-linear-ce", "kernel", "hf_test")
+    assert card.path_in_repo == "README.md" and card.path_or_fileobj == make_card.render_card(clone, releases).encode()
     assert branch_commit["commit_message"].startswith("Upload fused-linear-ce v1 from " + git(clone, "rev-parse", "HEAD").strip())
+    pinned = RecordingApi.last.history["v1"][0].commit_id
+    assert f'branch v1 is at commit {pinned}: pin this release with revision="{pinned}"' in capsys.readouterr().out
 
 
 def test_a_new_branch_drops_the_build_files_it_inherits_from_main(clone, monkeypatch, capsys):
@@ -210,7 +194,8 @@ def test_a_new_branch_drops_the_build_files_it_inherits_from_main(clone, monkeyp
     assert upload.main(["--repo", str(clone), "--token", "hf_test"]) == 0
     calls = RecordingApi.last.calls
     assert [name for name, _ in calls] == [
-        "list_repo_refs", "list_repo_files", "create_repo", "create_branch", "create_commit", "create_commit",
+        "list_repo_refs", "list_repo_files", "create_repo", "create_branch", "create_commit", "list_repo_commits",
+        "create_commit",
     ]
     assert calls[1][1]["revision"] == "main" and calls[3][1]["branch"] == "v1"
     lines = capsys.readouterr().out.splitlines()
