@@ -1,0 +1,207 @@
+"""What the device can do and how the kernels are built for it: the interpreter, TMA and SM probes,
+the precision flags every launch passes, and the allocation of every buffer the launchers write.
+
+Nothing here touches the GPU at import: the probes query CUDA on first use and cache the answer.
+"""
+
+import functools
+import math
+import os
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .logits import tanh as _a_jitted_function
+
+
+def interpreted() -> bool:
+    """True when the kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_a_jitted_function, InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability."""
+    return _capability(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device when it has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``."""
+    return _sm_count(_index(device))
+
+
+# Architecture families: each has its own configuration tables (``configs.py``), chosen offline by
+# compiling every configuration the package launches for that target (``scripts/registers.py --arch``)
+# and holding it to its shared memory and to at most 256 bytes of spilled registers a thread.
+# (family, the capabilities it names, the shared memory a block may opt into, in bytes):
+# sm80 the A100 / A800 (and Orin, 8.7); sm86 the Ampere and Ada consumer and inference parts (A10G,
+# A40, RTX 3090, L4, L40S, RTX 4090); sm90 H100 / H200 (the tables measured); sm100 B200 / GB200 /
+# B300 (and Thor, 11.0); sm120 RTX 5090 / RTX PRO 6000 (mma.sync, no wgmma or tcgen05).
+FAMILIES = {
+    "sm80": ((8, 0), (8, 7)),
+    "sm86": ((8, 6), (8, 9)),
+    "sm90": ((9, 0),),
+    "sm100": ((10, 0), (10, 3), (11, 0)),
+    "sm120": ((12, 0), (12, 1)),
+}
+# The per-block shared memory each family's tables are held to (the smallest of its GPUs).
+FAMILY_SHARED = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024, "sm100": 227 * 1024,
+                 "sm120": 99 * 1024}
+
+
+def family_of(capability: tuple[int, int], shared_optin: int | None = None) -> str | None:
+    """The configuration family of a CUDA GPU of ``capability`` whose blocks may use
+    ``shared_optin`` bytes of shared memory (None: the family's own figure), or None below compute
+    capability 8.0 (no bf16 tensor cores: ``check_dtype``). A capability no family names takes the
+    family of its major version's nearest named one below it; a GPU with less shared memory than
+    its family's tables need takes the largest family that fits (the sm86 / sm120 tables need 99 KB)."""
+    major, minor = capability
+    if major < 8:
+        return None
+    named = [(cap, name) for name, caps in FAMILIES.items() for cap in caps if cap <= (major, minor)]
+    name = max(named)[1]
+    if shared_optin is not None and shared_optin < FAMILY_SHARED[name]:
+        fits = [f for f in ("sm80", "sm86") if FAMILY_SHARED[f] <= shared_optin]
+        name = "sm120" if major >= 12 else fits[0] if fits else "sm86"
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_optin(device_index: int) -> int | None:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+def family(device: torch.device | None) -> str:
+    """The configuration family (``FAMILIES``) of a CUDA ``device``, from its compute capability and
+    per-block shared memory; "sm90" (the measured tables) for None, a CPU tensor's device (the
+    interpreter) and ROCm."""
+    if device is None or device.type != "cuda" or torch.version.hip is not None:
+        return "sm90"
+    index = _index(device)
+    return family_of(_capability(index), _shared_optin(index)) or "sm86"
+
+
+def gpu_name(device: torch.device) -> str:
+    """The name of a CUDA ``device`` (for messages)."""
+    return torch.cuda.get_device_name(_index(device))
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ValueError, before any kernel runs, where ``dtype`` cannot run well on ``device``:
+    bf16 below compute capability 8.0 (a T4, a V100), whose tensor cores have no bf16 products, so
+    Triton emulates them (18 KB of stack a thread offline for sm_75). fp16 and fp32 run there."""
+    if dtype != torch.bfloat16 or device.type != "cuda" or torch.version.hip is not None:
+        return
+    cap = capability(device)
+    if cap[0] < 8:
+        raise ValueError(
+            f"bf16 needs a GPU of compute capability 8.0 or newer (A100, L4, H100, ...); {gpu_name(device)} is "
+            f"{cap[0]}.{cap[1]}: use fp16 (e.g. torch.autocast('cuda', dtype=torch.float16)) or fp32 there")
+
+
+def tma_hardware(device: torch.device) -> bool:
+    """Whether ``device`` loads through TMA tensor descriptors in hardware: CUDA compute capability
+    9.0 and up (Hopper, Blackwell). Older GPUs keep the pointer loads, the path they were measured
+    and tested on; the interpreter runs the descriptors too (so the CPU tests cover them)."""
+    if device.type != "cuda":
+        return interpreted()
+    return torch.version.hip is None and capability(device)[0] >= 9
+
+
+def tma_layout(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand can go through a TMA tensor descriptor: contiguous rows, a row stride
+    and a base address that are multiples of 16 bytes, no empty dimension. Elsewhere the kernels
+    load through pointers (the same products; ``logits.logit_tile``)."""
+    return (t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 0 and t.stride(1) == 1
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def logit_descriptors(hidden, weight, cfg):
+    """(hidden's and weight's TMA tensor descriptors for ``cfg``'s tiles, True), or (hidden, weight,
+    False) where ``cfg``, the GPU or the layout rules them out (``tma_hardware``, ``tma_layout``):
+    the logit kernels then load through pointers."""
+    if not (cfg.tma and tma_hardware(hidden.device) and tma_layout(hidden) and tma_layout(weight)):
+        return hidden, weight, False
+    return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's matmul precision setting (tf32 only when torch allows it)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def fp_fusion(dtype: torch.dtype) -> bool:
+    """Whether kernels that compute logits may contract multiply-adds (``enable_fp_fusion``): no.
+
+    A contraction of ``scale * acc - m`` into one fma skips the rounding of the logit, so the
+    recomputing backward's z - m would differ from the forward's by up to half an ulp of z (6e-5 at
+    |z| ~ 2e3), which shows in p at large logits (fp32 with logit_scale 1e3: a grad_hidden error of
+    9.5e-5 against plain torch's 2.4e-7 on the H200; the interpreter never contracts). Off for every
+    dtype: on the H200 at S1 bf16 it costs nothing measurable (recompute 60.6 ms off against
+    60.5-66.6 on, chunked 49.8 against 49.0-51.7)."""
+    return False
+
+
+def bf16_emulation(dtype: torch.dtype) -> bool:
+    """BF16_EMULATION, the one switch for bf16 under the interpreter, whose tl.dot and fp32 -> bf16
+    cast are not the GPU's (``logits.round_to``, ``logits.logit_tile``); off elsewhere."""
+    return interpreted() and dtype == torch.bfloat16
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """The flags of every kernel that runs tl.dot on ``dtype`` operands."""
+    return dict(BF16_EMULATION=bf16_emulation(dtype), INPUT_PRECISION=input_precision(dtype))
+
+
+def logit_flags(dtype: torch.dtype) -> dict:
+    """For kernels that compute logits: ``dot_flags`` and no fused multiply-add contraction where
+    ``fp_fusion`` says so, so that every kernel rounds z = scale * acc (- m) the same way."""
+    return dict(dot_flags(dtype), enable_fp_fusion=fp_fusion(dtype))
+
+
+def new(shape, dtype, device) -> torch.Tensor:
+    """torch.empty, or NaN-filled (-1 for integers) when FUSED_LINEAR_CE_POISON=1, so that an element
+    a kernel should have written and did not fails loudly."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("FUSED_LINEAR_CE_POISON") == "1":
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
+
+
+def fp32_view(buffer: torch.Tensor, shape, start: int = 0) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` over a contiguous ``buffer``'s memory from its element ``start`` on:
+    the memory a 16-bit gradient not yet written lends to an fp32 accumulator or to statistics. The
+    caller's plan guarantees the room and that ``start`` falls on 4 bytes (``fp32_fit`` checks both)."""
+    nbytes = math.prod(shape) * 4
+    first = start * buffer.element_size()
+    return buffer.view(-1).view(torch.uint8)[first : first + nbytes].view(torch.float32).view(shape)
+
+
+def fp32_fit(buffer: torch.Tensor, shape) -> torch.Tensor | None:
+    """``fp32_view`` of ``buffer``'s first bytes where it is contiguous, holds ``shape`` and starts on
+    16 bytes (what a tensor descriptor needs), else None."""
+    if (not buffer.is_contiguous() or buffer.numel() * buffer.element_size() < math.prod(shape) * 4
+            or buffer.data_ptr() % 16):
+        return None
+    return fp32_view(buffer, shape)
+
