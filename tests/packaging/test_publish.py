@@ -359,8 +359,9 @@ def test_digest_leaves_out_what_kernels_leaves_out(tmp_path):
 def test_sync_build_reports_and_fixes_a_stale_digest(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "torch-ext", repo / "torch-ext", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(VARIANT, repo / "build" / "torch-cuda", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    shutil.copytree(REPO / "build", repo / "build", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("metadata.json", "build.toml"):
+        shutil.copy(REPO / name, repo / name)
     assert sync_build.check(repo) == []
     compat = repo / "build" / "torch-cuda" / "fused_linear_ce" / "__init__.py"
     compat.write_text("# old compat module\n")
