@@ -72,7 +72,7 @@ class MatmulConfig:
 # leave each SM one or two long programs, and larger blocks keep more bytes in flight (D1 beta = 1, ms
 # for all N rows: 256 rows 14.0 with 1024 / 4 against 7.0 with 4096 / 16; 432 rows 9.4 against 7.1
 # with 2048 / 8; all rows 5.6 with 1024 / 4 against 5.4 / 6.2, and at beta = 0.5 8.9 against 9.4 / 11.1).
-DIVERGENCE_ROWS = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
+DIVERGENCE_ROW_LAUNCHES = ((2, 4096, 16), (8, 2048, 8), (None, 1024, 4))
 # fp32 inputs, one configuration of each kernel: 3 stages of 16 KB; two per SM assumed (not measured:
 # fp32 is not a tuned case). Pointer loads: with TMA descriptors the fp32 sweep was slower (H200,
 # 2048 x 1024 x 32000, TF32 off: evaluation forward 12.7 ms against 9.9).
@@ -104,7 +104,7 @@ class Tables:
     compensated: MatmulConfig
     sweep_fp32: TileConfig = FP32_SWEEP  # every logit kernel's on fp32 inputs
     matmul_fp32: MatmulConfig = FP32_MATMUL
-    divergence_rows: tuple = DIVERGENCE_ROWS
+    divergence_rows: tuple = DIVERGENCE_ROW_LAUNCHES
     pingpong: PingpongConfig | None = None  # the Gluon ping-pong sweep's, where the family runs it
     # The chunked sweep's class-major buffer (hosted in grad_weight) stored through a TMA descriptor
     # (else through pointers), where the family has TMA.
@@ -115,8 +115,8 @@ class Tables:
         def one(value):
             if isinstance(value, (TileConfig, MatmulConfig)):
                 return change(value)
-            if isinstance(value, tuple) and value and isinstance(value[0], tuple):
-                return tuple((h, one(cfg)) for h, cfg in value)
+            if isinstance(value, tuple) and all(isinstance(b, tuple) and len(b) == 2 for b in value):
+                return tuple((h, one(cfg)) for h, cfg in value)  # a role's buckets
             return value
 
         return replace(self, **{f.name: one(getattr(self, f.name)) for f in fields(self)})
@@ -133,7 +133,7 @@ class Arch:
     # device's gcnArchName up to its first ':').
     recognises: tuple
     # What metadata.json's backend.archs declares for it (``kernels`` refuses a GPU it does not name):
-    # CUDA capabilities as "major.minor", ROCm gfx names. The matrix compiles every one.
+    # CUDA capabilities as "major.minor", ROCm gfx names.
     declares: tuple
     shared: int  # bytes of shared memory (LDS on AMD) a block may use, the least of its GPUs'
     wave: int  # threads a warp (a wavefront on AMD); Triton's num_warps counts these
@@ -145,6 +145,14 @@ class Arch:
     # in ascending version, each taking every release after its version.
     overlays: tuple = ()
     max_warps: int = 32  # warps a block may have (1024 threads)
+    # The declared targets the matrix (tests/kernel/test_arch_matrix.py) compiles, where not all of
+    # them: one a family whose parts share one instruction set and register file.
+    matrix_only: tuple = ()
+
+    @property
+    def matrix(self) -> tuple:
+        """The targets the matrix compiles for this family."""
+        return self.matrix_only or self.declares
 
     @property
     def pingpong(self) -> bool:
@@ -257,13 +265,31 @@ _SM120 = Tables(sweep=_one(_SQUARE), chunked=_one(replace(_SQUARE, group_m=16)),
 # ---- ROCm --------------------------------------------------------------------------------------------
 # No TMA (tensor descriptors lower to pointer loads there) and no Gluon ping-pong: the kernels with
 # pointer loads, as below sm_90. Chosen offline (Triton 3.6's AMD backend, ``scripts/registers.py
-# --arch gfx942``): every configuration compiles, fits the workgroup's LDS and spills at most 256 bytes
-# a lane. Not run on AMD hardware.
-_AMD_MATMUL = replace(_SM80_MATMUL, tma=False)
-_CDNA = Tables(sweep=_one(replace(_SQUARE, tma=False)), chunked=_one(replace(_SQUARE, block_v=64, group_m=16, tma=False)),
-               dlogits=_one(replace(_SQUARE, tma=False)), product=_AMD_MATMUL, paired_rows=_AMD_MATMUL,
-               compensated=_AMD_MATMUL)
-_RDNA = _CDNA
+# --arch gfx942``; benchmarks/NOTES.md has the figures): every configuration compiles, fits the
+# workgroup's LDS and spills nothing. Not run on AMD hardware: ``autotune`` tunes for the exact shape.
+# 2 stages, the AMD backend's usual software pipelining for one product with an epilogue (3 stages
+# take the sweep's whole 64 KB of LDS with 128 x 128 tiles).
+_AMD_STAGES = 2
+# CDNA (a wave of 64, MFMA, 512 VGPRs and AGPRs a lane): sm86's tiles, none spills on gfx90a, gfx942 or
+# gfx950 (the sweep with every per-token field 215 VGPRs on gfx942).
+_CDNA_SQUARE = replace(_SQUARE, num_stages=_AMD_STAGES, tma=False)
+_CDNA_MATMUL = replace(_SM80_MATMUL, num_stages=_AMD_STAGES, tma=False)
+_CDNA = Tables(sweep=_one(_CDNA_SQUARE), chunked=_one(replace(_CDNA_SQUARE, block_v=64, group_m=16)),
+               dlogits=_one(_CDNA_SQUARE), product=_CDNA_MATMUL, paired_rows=_CDNA_MATMUL, compensated=_CDNA_MATMUL,
+               sweep_fp32=replace(FP32_SWEEP, num_stages=_AMD_STAGES),
+               matmul_fp32=replace(FP32_MATMUL, num_stages=_AMD_STAGES))
+# RDNA (a wave of 32, WMMA, 256 VGPRs a lane, no AGPRs): sm86's 128 x 128 logit tiles with 8 waves
+# spill up to 416 bytes a lane (the sweep with every per-token field, gfx1100; 384 on gfx1201), with
+# 16 waves 8 bytes (the sweep's metrics). 64 x 128 tiles with 8 waves spill none (the sweep and
+# dlogits, up to 256 VGPRs); the chunked sweep 128 x 64 with 16 waves (197 VGPRs); the products
+# 128 x 128 with 16 waves (with 8 the sums into a pair spilled 20-40 bytes). fp32 (FMA dots) 32 x 64
+# tiles with 4 waves (64 x 64 spilled 340-444 bytes).
+_RDNA_SWEEP = TileConfig(block_n=64, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=_AMD_STAGES, tma=False)
+_RDNA_MATMUL = replace(_CDNA_MATMUL, num_warps=16)
+_RDNA = Tables(sweep=_one(_RDNA_SWEEP), chunked=_one(replace(_CDNA_SQUARE, block_v=64, group_m=16, num_warps=16)),
+               dlogits=_one(_RDNA_SWEEP), product=_RDNA_MATMUL, paired_rows=_RDNA_MATMUL, compensated=_RDNA_MATMUL,
+               sweep_fp32=replace(FP32_SWEEP, block_n=32, num_stages=_AMD_STAGES),
+               matmul_fp32=replace(FP32_MATMUL, block_m=32, num_stages=_AMD_STAGES))
 
 _CUDA_FACTS = dict(backend="cuda", wave=32, tf32=True)
 _CDNA_FACTS = dict(backend="rocm", wave=64, tma=False, mma="mfma", max_warps=16)
@@ -287,9 +313,9 @@ ARCHS = (
     Arch("cdna4", "MI350X, MI355X", recognises=("gfx950",), declares=("gfx950",), shared=160 * KB, tf32=False,
          tables=_CDNA, **_CDNA_FACTS),
     Arch("rdna3", "RX 7900 XTX / XT, Radeon PRO W7900 / W7800", recognises=("gfx1100", "gfx1101"),
-         declares=("gfx1100", "gfx1101"), tables=_RDNA, **_RDNA_FACTS),
+         declares=("gfx1100", "gfx1101"), matrix_only=("gfx1100",), tables=_RDNA, **_RDNA_FACTS),
     Arch("rdna4", "RX 9070 (XT), Radeon AI PRO R9700", recognises=("gfx1200", "gfx1201"),
-         declares=("gfx1200", "gfx1201"), tables=_RDNA, **_RDNA_FACTS),
+         declares=("gfx1200", "gfx1201"), matrix_only=("gfx1201",), tables=_RDNA, **_RDNA_FACTS),
 )
 BY_NAME = {arch.name: arch for arch in ARCHS}
 BACKENDS = ("cuda", "rocm")
