@@ -179,7 +179,6 @@ def test_kernels_info_cli_offline(tmp_path):
         assert_variant_refusal(remote.stderr, commit)
 
 
-@pytest.mark.kernels_ci
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_machine_loads_its_variant_from_hub_cache_offline(hub_cache, monkeypatch, backend):
     """What scripts/upload.py puts on the version branch, read back offline on a (simulated) GPU of each
