@@ -47,6 +47,8 @@ VERSION = Metadata.read_from_file(REPO / "metadata.json").version
 TORCH_IS_CUDA_BUILD = torch.version.cuda is not None
 TORCH_IS_CPU_BUILD = torch.version.cuda is None and torch.version.hip is None
 HAS_GPU = torch.cuda.is_available()
+# The variant this torch build resolves to (None on a CPU-only build).
+OWN_VARIANT = None if TORCH_IS_CPU_BUILD else VARIANTS["cuda" if TORCH_IS_CUDA_BUILD else "rocm"]
 
 
 @pytest.fixture
@@ -123,10 +125,10 @@ def _small_loss(kernel, device):
 
 
 @pytest.mark.kernels_ci
-def test_repo_root_loads_on_cuda_torch_and_is_refused_on_cpu_torch(no_hub):
-    if TORCH_IS_CUDA_BUILD:
-        # `build/torch-cuda` is picked; same variant path, so the loader hands back the same module.
-        assert get_local_kernel(REPO) is get_local_kernel(VARIANT)
+def test_repo_root_loads_on_gpu_torch_and_is_refused_on_cpu_torch(no_hub):
+    if OWN_VARIANT is not None:
+        # `build/torch-cuda` (or torch-rocm) is picked; same variant path, so the same module.
+        assert get_local_kernel(REPO) is get_local_kernel(OWN_VARIANT)
     else:
         with _repo_root_refusal():
             get_local_kernel(REPO)
@@ -153,8 +155,8 @@ def test_cpu_torch_rejects_cuda_variant_without_top_level_metadata(tmp_path, no_
 @pytest.mark.kernels_ci
 def test_get_kernel_via_local_kernels_repo_root(monkeypatch, no_hub):
     monkeypatch.setenv("LOCAL_KERNELS", f"{HUB_REPO_ID}={REPO}")
-    if TORCH_IS_CUDA_BUILD:
-        assert get_kernel(HUB_REPO_ID, version=VERSION) is get_local_kernel(VARIANT)
+    if OWN_VARIANT is not None:
+        assert get_kernel(HUB_REPO_ID, version=VERSION) is get_local_kernel(OWN_VARIANT)
     else:
         with _repo_root_refusal():
             get_kernel(HUB_REPO_ID, version=VERSION)
