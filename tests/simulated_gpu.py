@@ -57,5 +57,5 @@ class SimulatedGpu:
         self._set(torch.version, "cuda", None)
         self._set(torch.version, "hip", HIP_VERSION)
         self._one_gpu()
-        props = SimpleNamespace(gcnArchName=gcn_arch_name(gfx), name=f"AMD Instinct or Radeon ({gfx})")
+        props = SimpleNamespace(gcnArchName=gcn_arch_name(gfx), name=f"AMD {gfx}")
         self._set(torch.cuda, "get_device_properties", lambda device=None: props)

@@ -60,7 +60,8 @@ def assert_variant_refusal(text: str, commit: str) -> None:
     assert f"Cannot find a build variant for this system in {REPO_ID} (revision: {commit}):\n\n" in text, text[-2000:]
     lines = text.splitlines()
     for b in BACKENDS:
-        assert f"torch-{b}: backend ({b}) does not match system backend (cpu) and is not universal" in lines, text[-2000:]
+        line = f"torch-{b}: backend ({b}) does not match system backend (cpu) and is not universal"
+        assert line in lines, text[-2000:]
 
 
 def simulate(monkeypatch, backend: str) -> None:

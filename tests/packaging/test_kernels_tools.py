@@ -22,7 +22,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
 from hub_offline import load_script
 from kernels import Metadata, get_kernel, get_local_kernel
 from kernels_api import HAS_DESCRIBE_API, KERNELS_CLI, LOCAL_CHECK_ARCH, cli_main
