@@ -102,9 +102,10 @@ def test_symbols_generator_refuses_a_bad_all():
 
 
 @pytest.mark.skipif(not HAS_DESCRIBE_API, reason="`kernels describe-api` is new in kernels 0.19")
-def test_kernels_describe_api_lists_functions_and_layers(tmp_path):
-    proc = subprocess.run([*KERNELS_CLI, "describe-api", str(VARIANT), "--json"], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=300)
+@pytest.mark.parametrize("variant", [CUDA_VARIANT, ROCM_VARIANT])
+def test_kernels_describe_api_lists_functions_and_layers(tmp_path, variant):
+    proc = subprocess.run([*KERNELS_CLI, "describe-api", str(REPO / "build" / variant), "--json"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout)
     assert REQUIRED_FUNCTIONS <= {f["name"] for f in info["functions"]}
