@@ -296,13 +296,13 @@ _CDNA_FACTS = dict(backend="rocm", wave=64, tma=False, mma="mfma", max_warps=16)
 _RDNA_FACTS = dict(backend="rocm", wave=32, tma=False, mma="wmma", tf32=False, shared=64 * KB)
 
 ARCHS = (
-    Arch("sm80", "A100, A800 (and Orin, 8.7)", recognises=((8, 0), (8, 7)), declares=("8.0",), shared=163 * KB,
+    Arch("sm80", "A100, A800", recognises=((8, 0), (8, 7)), declares=("8.0",), shared=163 * KB,
          tma=False, mma="mma.sync", tables=_SM80, **_CUDA_FACTS),
     Arch("sm86", "A10G, A40, RTX 3090, L4, L40S, RTX 4090", recognises=((8, 6), (8, 9)), declares=("8.6", "8.9"),
          shared=99 * KB, tma=False, mma="mma.sync", tables=_SM80, **_CUDA_FACTS),
     Arch("sm90", "H100, H200", recognises=((9, 0),), declares=("9.0",), shared=227 * KB, tma=True, mma="wgmma",
          tables=_SM90, overlays=(((3, 6), _SM90_NEWER_TRITON),), **_CUDA_FACTS),
-    Arch("sm100", "B200, GB200, B300 (and Thor, 11.0)", recognises=((10, 0), (10, 3), (11, 0)),
+    Arch("sm100", "B200, GB200, B300", recognises=((10, 0), (10, 3), (11, 0)),
          declares=("10.0", "10.3"), shared=227 * KB, tma=True, mma="tcgen05", tables=_SM100, **_CUDA_FACTS),
     Arch("sm120", "RTX 5090, RTX PRO 6000", recognises=((12, 0), (12, 1)), declares=("12.0",), shared=99 * KB,
          tma=True, mma="mma.sync", tables=_SM120, **_CUDA_FACTS),

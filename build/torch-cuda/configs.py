@@ -172,7 +172,7 @@ def matmul_config(dtype: torch.dtype, *, role: str = "product", where=None) -> M
     return table.matmul_fp32 if dtype == torch.float32 else getattr(table, role)
 
 
-def pingpong(h: int, where="sm90") -> PingpongConfig | None:
+def pingpong(h: int, *, where="sm90") -> PingpongConfig | None:
     """The ping-pong sweep's tiles at hidden size ``h`` in ``where``'s tables (``tables``; a family
     name, sm_90's by default), or None where the family has none or ``h`` is outside its bucket."""
     cfg = tables(where).pingpong

@@ -177,7 +177,7 @@ def logit_descriptors(hidden, weight, cfg):
             TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
 
 
-def input_precision(dtype: torch.dtype, device: torch.device | None = None) -> str:
+def input_precision(dtype: torch.dtype, *, device: torch.device | None = None) -> str:
     """tl.dot's input precision on ``device`` (None: a CUDA GPU's): "tf32" where the family's dots take
     it (``archs.Arch.tf32``: every CUDA family, CDNA3), for fp32 inputs only when torch allows TF32;
     "ieee" elsewhere (Triton's AMD backend refuses "tf32" but on gfx942)."""
@@ -209,7 +209,7 @@ def bf16_emulation(dtype: torch.dtype) -> bool:
 
 def dot_flags(dtype: torch.dtype, device: torch.device | None = None) -> dict:
     """The flags of every kernel that runs tl.dot on ``dtype`` operands on ``device``."""
-    return dict(BF16_EMULATION=bf16_emulation(dtype), INPUT_PRECISION=input_precision(dtype, device))
+    return dict(BF16_EMULATION=bf16_emulation(dtype), INPUT_PRECISION=input_precision(dtype, device=device))
 
 
 def logit_flags(dtype: torch.dtype, device: torch.device | None = None) -> dict:

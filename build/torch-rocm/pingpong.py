@@ -90,7 +90,7 @@ def rule(capability: tuple[int, int], dtype: torch.dtype, h: int, *, plain: bool
     bucket."""
     family = device.family_of(capability)
     return (family is not None and dtype in (torch.bfloat16, torch.float16) and plain and tma
-            and configs.pingpong(h, family) is not None)
+            and configs.pingpong(h, where=family) is not None)
 
 
 def launch(hidden, weight, targets, tile_scale, metrics: bool, offset: int, ignore_index: int, skip_ignored: bool):

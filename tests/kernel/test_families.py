@@ -93,11 +93,11 @@ def test_each_amd_gpu_gets_its_family_and_no_cuda_feature(monkeypatch, name):
     on_gpu = types.SimpleNamespace(device=CUDA, dtype=torch.bfloat16, shape=(4096, 1024))  # a call's hidden
     assert not pingpong.eligible(on_gpu, on_gpu, plain=True)
     want = "tf32" if fam == "cdna3" else "ieee"
-    assert device.input_precision(torch.bfloat16, CUDA) == want
+    assert device.input_precision(torch.bfloat16, device=CUDA) == want
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert device.input_precision(torch.float32, CUDA) == want
+    assert device.input_precision(torch.float32, device=CUDA) == want
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # torch's default: TF32 off
-    assert device.input_precision(torch.float32, CUDA) == "ieee"
+    assert device.input_precision(torch.float32, device=CUDA) == "ieee"
     device.check_dtype(torch.bfloat16, CUDA)
     assert configs.divergence_row_config(cus, 128256, CUDA) == (1, 4096, 16)
 
@@ -244,46 +244,54 @@ def test_the_public_functions_check_the_dtype_first(monkeypatch):
         fused_linear_ce.fused_linear_divergence(h, w, h.clone(), w.clone(), beta=0.5)
 
 
-def run_with(table: archs.Tables):
+def run_with(family: str):
     """``configs.override`` that makes the tables the kernels run with here (the interpreter's, or on a
-    GPU its family's) ``table``: block sizes (warps and stages mean nothing to the interpreter)."""
+    GPU its family's) those of ``family``, as a GPU of it gets them: for a ROCm family through a mocked
+    ROCm GPU reporting its first gfx name. Block sizes count (warps and stages mean nothing to the
+    interpreter)."""
+    arch = archs.get(family)
+    with pytest.MonkeyPatch.context() as mp:
+        if arch.backend == "rocm":
+            mock_rocm(mp, arch.recognises[0])
+            table = configs.tables(CUDA)
+        else:
+            table = configs.tables(family)
     here = configs.INTERPRETER if not ON_GPU else device.family(torch.device("cuda"))
     return configs.override(here, **{f.name: getattr(table, f.name) for f in dataclasses.fields(table)})
 
 
 def _distinct_tables(backend):
-    """Each distinct table of ``backend``'s families once, named by the families that share it."""
+    """One family of each distinct table of ``backend``'s, named by the families that share it."""
     seen = {}
     for arch in archs.of_backend(backend):
         seen.setdefault(arch.tables, []).append(arch.name)
-    return [pytest.param(table, id="+".join(names)) for table, names in seen.items()]
+    return [pytest.param(names[0], id="+".join(names)) for names in seen.values()]
 
 
-@pytest.mark.parametrize("table", [pytest.param(archs.get(f).tables, id=f) for f in ("sm80", "sm100", "sm120")]
-                         + _distinct_tables("rocm"))
+@pytest.mark.parametrize("family", ["sm80", "sm100", "sm120"] + _distinct_tables("rocm"))
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
-def test_each_family_tiles_compute_the_loss_in_the_interpreter(table, strategy):
+def test_each_family_tiles_compute_the_loss_in_the_interpreter(family, strategy):
     """The kernels with a family's tables: loss and gradients against float64 and plain torch, bf16
     with a ragged V and N over several of the tiles."""
-    with run_with(table):
+    with run_with(family):
         check_three_way(Case(130, 64, 300, torch.bfloat16, "mean", extra=dict(strategy=strategy)))
 
 
-@pytest.mark.parametrize("table", _distinct_tables("rocm"))
+@pytest.mark.parametrize("family", _distinct_tables("rocm"))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_each_amd_family_tiles_compute_the_per_token_fields(table, dtype):
+def test_each_amd_family_tiles_compute_the_per_token_fields(family, dtype):
     """The per-token fields (log-probs, entropy, top-1) and their gradients against float64 with each
     AMD family's tables, both strategies (``test_logprobs``'s check); fp32 on the family's fp32 tiles."""
-    with run_with(table):
+    with run_with(family):
         for strategy in ("recompute", "chunked"):
             test_logprobs.test_fields_and_gradients_match_float64(dtype, strategy, "plain")
 
 
-@pytest.mark.parametrize("table", _distinct_tables("rocm"))
-def test_each_amd_family_tiles_compute_the_divergence(table):
+@pytest.mark.parametrize("family", _distinct_tables("rocm"))
+def test_each_amd_family_tiles_compute_the_divergence(family):
     """The divergence (JSD, and forward KL on the chunked strategy) and its gradients against float64
     with each AMD family's tables (``test_divergence``'s checks)."""
-    with run_with(table):
+    with run_with(family):
         test_divergence.test_matches_reference_16bit(0.5, "sum", torch.bfloat16)
         test_divergence.test_several_chunks(0.0, "chunked", "mean")
 
