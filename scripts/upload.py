@@ -2,7 +2,8 @@
 """Publishes the kernel to the Hugging Face Hub, the way `kernel-builder upload` lays a kernel repo out.
 
 * Branch `v<version>` (version from metadata.json) of a `kernel`-type repo gets exactly
-  `build/<variant>/**` for every variant folder under build/ (no `__pycache__/`, no `*.pyc`) and
+  `build/<variant>/**` for every variant folder under build/ (`torch-cuda` and `torch-rocm`, one per
+  build.toml backend; no `__pycache__/`, no `*.pyc`) and
   `benchmarks/benchmark*.py` if any; files under `build/` (and stale `benchmarks/benchmark*.py`) that
   the branch has but this checkout does not are deleted in the same commit. The repo and the branch
   are created when missing (a new branch starts from `main`'s head, as kernel-builder's does).

@@ -124,23 +124,17 @@ def offline_hub(monkeypatch, home: Path) -> Path:
 
 def simulate_cuda(monkeypatch, capability: tuple[int, int] = (9, 0)) -> None:
     """torch reports a CUDA build with one GPU of `capability` (default sm_90, the H100/H200)."""
-    import torch
+    from simulated_gpu import SimulatedGpu
 
-    monkeypatch.setattr(torch.version, "cuda", CUDA_VERSION)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    SimulatedGpu(monkeypatch.setattr).cuda(capability)
 
 
-# Any CUDA 12 version string: kernels reads only that torch is a CUDA build (the variant torch-cuda).
-CUDA_VERSION = "12.8"
-# `simulate_cuda` at sm_90 for a child process, to run before kernels loads anything there.
+# `simulate_cuda` at sm_90 for a child process (whose sys.path has tests/), before kernels loads anything.
 SIMULATED_CUDA = f"""\
-import torch
-torch.version.cuda = {CUDA_VERSION!r}
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
-torch.cuda.get_device_capability = lambda device=None: (9, 0)
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from simulated_gpu import SimulatedGpu
+SimulatedGpu.plain().cuda((9, 0))
 """
 
 

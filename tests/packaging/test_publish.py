@@ -344,8 +344,9 @@ def test_digest_leaves_out_what_kernels_leaves_out(tmp_path):
 def test_sync_build_reports_and_fixes_a_stale_digest(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "torch-ext", repo / "torch-ext", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(VARIANT, repo / "build" / "torch-cuda", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    shutil.copytree(REPO / "build", repo / "build", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("metadata.json", "build.toml"):
+        shutil.copy(REPO / name, repo / name)
     assert sync_build.check(repo) == []
     compat = repo / "build" / "torch-cuda" / "fused_linear_ce" / "__init__.py"
     compat.write_text("# old compat module\n")
@@ -509,16 +510,18 @@ def test_pin_clone_branch(line, pinned):
 
 
 def fake_nix_build(tmp_path: Path) -> Path:
-    """What `nix build .#bundle` leaves: the variant with kernel-builder's own _ops.py, compat module,
-    id and a digest of its own files; benchmarks/ and a CARD.md beside it."""
+    """What `nix build .#bundle` leaves: each variant with kernel-builder's own _ops.py, compat module,
+    id and a digest of its own files; benchmarks/ and a CARD.md beside them."""
     result = tmp_path / "result"
-    variant = result / "torch-cuda"
-    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
-    (variant / "_ops.py").write_text("import torch\nops = torch.ops._fused_linear_ce_cuda_0123abc\n")
-    (variant / "fused_linear_ce" / "__init__.py").write_text("# kernel-builder's compat module\nfrom .. import *\n")
-    meta = json.loads((variant / "metadata.json").read_text())
-    meta.update(id="_fused_linear_ce_cuda_0123abc", digest=sync_build.hash_variant(variant))
-    (variant / "metadata.json").write_text(json.dumps(meta, indent=2))
+    for committed in sorted(p for p in (REPO / "build").iterdir() if p.is_dir()):
+        variant = result / committed.name
+        backend_id = f"_fused_linear_ce_{committed.name.removeprefix('torch-')}_0123abc"
+        shutil.copytree(committed, variant, ignore=shutil.ignore_patterns("__pycache__"))
+        (variant / "_ops.py").write_text(f"import torch\nops = torch.ops.{backend_id}\n")
+        (variant / "fused_linear_ce" / "__init__.py").write_text("# kernel-builder's compat module\nfrom .. import *\n")
+        meta = json.loads((variant / "metadata.json").read_text())
+        meta.update(id=backend_id, digest=sync_build.hash_variant(variant))
+        (variant / "metadata.json").write_text(json.dumps(meta, indent=2))
     shutil.copytree(REPO / "benchmarks", result / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "results"))
     (result / "CARD.md").write_text("card\n")
     return result
@@ -529,11 +532,12 @@ def test_dry_run_uploads_the_nix_build(clone, tmp_path, env):
     proc = run_upload(clone, "--dry-run", "--build-dir", str(result), env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "upload build/torch-cuda/_ops.py" in lines and "upload build/torch-cuda/metadata.json" in lines
     assert not [line for line in lines if "CARD.md" in line or "build/benchmarks" in line]
     ops = upload.plan_operations(clone, [], build_dir=result)
-    meta = next(op for op in ops if op.path == "build/torch-cuda/metadata.json")
-    assert meta.source == result / "torch-cuda" / "metadata.json"
+    for variant in ("torch-cuda", "torch-rocm"):
+        assert f"upload build/{variant}/_ops.py" in lines and f"upload build/{variant}/metadata.json" in lines
+        meta = next(op for op in ops if op.path == f"build/{variant}/metadata.json")
+        assert meta.source == result / variant / "metadata.json"
 
 
 def test_refuses_a_nix_build_that_drifted_or_has_a_stale_digest(clone, tmp_path, env):
