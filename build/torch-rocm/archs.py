@@ -248,6 +248,10 @@ _SM90_NEWER_TRITON = replace(_SM90, sweep=_one(_SQUARE),
 _SM80_MATMUL = MatmulConfig(block_m=128, block_p=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 _SM80 = Tables(sweep=_one(_SQUARE), chunked=_one(replace(_SQUARE, block_v=64, group_m=16)), dlogits=_one(_SQUARE),
                product=_SM80_MATMUL, paired_rows=_SM80_MATMUL, compensated=_SM80_MATMUL)
+# sm80 after Triton 3.6: the sweep with every per-token field spills 272 bytes at 128 x 128 under 3.8
+# (256 under 3.9), 128 x 64 with 8 warps none under 3.6, 3.8 and 3.9 (the sweep's other uses none
+# either); not timed. sm86 keeps its tables (176 bytes under 3.8).
+_SM80_NEWER_TRITON = replace(_SM80, sweep=_one(replace(_SQUARE, block_v=64)))
 # sm100 (227 KB, TMA, tcgen05): sm90's tables but for both sweeps, 128 x 128 with 8 warps (sm90's
 # 128 x 256 spill 1.1 KB in the chunked sweep with a softcap and a bias; under Triton 3.9 0.6-2 KB in
 # the sweep with the metrics), and the sums into a pair, 128 x 128 (0.5-0.6 KB at 128 x 256). Its
@@ -264,9 +268,10 @@ _SM120 = Tables(sweep=_one(_SQUARE), chunked=_one(replace(_SQUARE, group_m=16)),
 
 # ---- ROCm --------------------------------------------------------------------------------------------
 # No TMA (tensor descriptors lower to pointer loads there) and no Gluon ping-pong: the kernels with
-# pointer loads, as below sm_90. Chosen offline (Triton 3.6's AMD backend, ``scripts/registers.py
-# --arch gfx942``; benchmarks/NOTES.md has the figures): every configuration compiles, fits the
-# workgroup's LDS and spills nothing. Not run on AMD hardware: ``autotune`` tunes for the exact shape.
+# pointer loads, as below sm_90. Chosen offline with Triton's AMD backend (``scripts/registers.py
+# --arch gfx942``; docs/gpus.md has the figures): under Triton 3.6 and 3.9 every configuration
+# compiles, fits the workgroup's LDS and spills nothing to scratch. Not run on AMD hardware: ``autotune`` tunes
+# for the exact shape.
 # 2 stages, the AMD backend's usual software pipelining for one product with an epilogue (3 stages
 # take the sweep's whole 64 KB of LDS with 128 x 128 tiles).
 _AMD_STAGES = 2
@@ -282,13 +287,14 @@ _CDNA = Tables(sweep=_one(_CDNA_SQUARE), chunked=_one(replace(_CDNA_SQUARE, bloc
 # spill up to 416 bytes a lane (the sweep with every per-token field, gfx1100; 384 on gfx1201), with
 # 16 waves 8 bytes (the sweep's metrics). 64 x 128 tiles with 8 waves spill none (the sweep and
 # dlogits, up to 256 VGPRs); the chunked sweep 128 x 64 with 16 waves (197 VGPRs); the products
-# 128 x 128 with 16 waves (with 8 the sums into a pair spilled 20-40 bytes). fp32 (FMA dots) 32 x 64
-# tiles with 4 waves (64 x 64 spilled 340-444 bytes).
+# 128 x 128 with 16 waves (with 8 the sums into a pair spilled 20-40 bytes). The fp32 sweeps (FMA
+# dots) 32 x 64 tiles with 16 waves (64 x 64 with 4 waves spilled 340-444 bytes; 32 x 64 with 4 none
+# under Triton 3.6, 132-176 bytes under 3.9), the fp32 products 32 x 64 with 4 waves.
 _RDNA_SWEEP = TileConfig(block_n=64, block_v=128, block_h=64, group_m=8, num_warps=8, num_stages=_AMD_STAGES, tma=False)
 _RDNA_MATMUL = replace(_CDNA_MATMUL, num_warps=16)
 _RDNA = Tables(sweep=_one(_RDNA_SWEEP), chunked=_one(replace(_CDNA_SQUARE, block_v=64, group_m=16, num_warps=16)),
                dlogits=_one(_RDNA_SWEEP), product=_RDNA_MATMUL, paired_rows=_RDNA_MATMUL, compensated=_RDNA_MATMUL,
-               sweep_fp32=replace(FP32_SWEEP, block_n=32, num_stages=_AMD_STAGES),
+               sweep_fp32=replace(FP32_SWEEP, block_n=32, num_warps=16, num_stages=_AMD_STAGES),
                matmul_fp32=replace(FP32_MATMUL, block_m=32, num_stages=_AMD_STAGES))
 
 _CUDA_FACTS = dict(backend="cuda", wave=32, tf32=True)
@@ -297,7 +303,7 @@ _RDNA_FACTS = dict(backend="rocm", wave=32, tma=False, mma="wmma", tf32=False, s
 
 ARCHS = (
     Arch("sm80", "A100, A800", recognises=((8, 0), (8, 7)), declares=("8.0",), shared=163 * KB,
-         tma=False, mma="mma.sync", tables=_SM80, **_CUDA_FACTS),
+         tma=False, mma="mma.sync", tables=_SM80, overlays=(((3, 6), _SM80_NEWER_TRITON),), **_CUDA_FACTS),
     Arch("sm86", "A10G, A40, RTX 3090, L4, L40S, RTX 4090", recognises=((8, 6), (8, 9)), declares=("8.6", "8.9"),
          shared=99 * KB, tma=False, mma="mma.sync", tables=_SM80, **_CUDA_FACTS),
     Arch("sm90", "H100, H200", recognises=((9, 0),), declares=("9.0",), shared=227 * KB, tma=True, mma="wgmma",
