@@ -17,20 +17,14 @@ import triton
 
 from . import device
 from .device import fp_fusion, input_precision, interpreted, sm_count, tma_hardware, tma_layout  # re-exported
-from .plan import (  # re-exported
-    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_DIVERGENCE_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan,
-    borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes, vocab_splits,
-)
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES",
-    "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES", "borrows_weight_grad",
-    "candidates", "chunked_epilogue", "family", "family_matmul", "family_tiles", "chunk_budget", "chunk_rows",
+    "DIVERGENCE_ROW_LAUNCHES", "ROLES", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "FAMILY_TABLES", "MATMUL_ROLES", "MEASURED_TRITON", "NEWER_TRITON_TABLES",
+    "candidates", "chunked_epilogue", "family", "family_matmul", "family_tiles",
     "divergence_launches", "divergence_row_config", "table", "transposed_store_tma", "triton_version",
     "dlogits_config", "fp_fusion", "input_precision", "interpreted", "matmul_config", "pingpong",
-    "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware", "tma_layout",
-    "vocab_splits",
+    "sm_count", "sweep_config", "tiles", "tma_hardware", "tma_layout",
 ]
 
 
