@@ -93,7 +93,7 @@ def cases(arch: int = 90, tables: str | None = None) -> list[Case]:
     dlogits = configs.family_tiles("dlogits", bf16, None, fam)
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                  INPUT_PRECISION="tf32", TMA=tma)
-    forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
+    forward = dict(logit, METRICS=False, SUM_Z=False, SQUARES=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
                    BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, E_T=False, GROUP_M=0,
                    SKIP_IGNORED=True)
 
@@ -179,7 +179,7 @@ def cases(arch: int = 90, tables: str | None = None) -> list[Case]:
         chunked_sweep("chunked sweep, metrics", METRICS=True),
         chunked_sweep("chunked sweep, softcap and bias", configs.chunked_epilogue(chunked, True, True), HAS_SOFTCAP=True,
                       HAS_BIAS=True),
-        sweep_case("sweep, every per-token field", METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False),
+        sweep_case("sweep, every per-token field", METRICS=True, SUM_Z=True, SQUARES=True, EVEN_V=False),
         dlogits_case("dlogits", HAS_BIAS=False, BIAS_GRAD=False),
         dlogits_case("dlogits, bias gradient", HAS_BIAS=True, BIAS_GRAD=True),
         dlogits_case("dlogits, entropy gradient", ENTROPY_GRAD=True, HAS_BIAS=False, BIAS_GRAD=False),
@@ -224,7 +224,7 @@ def fp32_cases() -> list[Case]:
     sw, mm = configs._GPU_SWEEP_FP32, configs._GPU_MATMUL_FP32
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_N=sw.block_n, BLOCK_V=sw.block_v, BLOCK_H=sw.block_h,
                  EVEN_H=True, BF16_EMULATION=False, INPUT_PRECISION="tf32", TMA=False, GROUP_M=sw.group_m)
-    forward = dict(logit, METRICS=True, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, EVEN_V=False,
+    forward = dict(logit, METRICS=True, SUM_Z=False, SQUARES=False, HAS_CLASS_WEIGHT=False, EVEN_V=False,
                    STORE_E=False, E_TMA=False, E_T=False, SKIP_IGNORED=True)
     backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, HAS_BIAS=True,
                     BIAS_GRAD=True)

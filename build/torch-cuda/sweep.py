@@ -151,7 +151,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
         wz if sum_z else z_target, entropy if metrics else z_target, best if metrics else z_target,
         argmax_out if metrics else argmax, squares_out if squares else z_target, n, v, v_total, offset, splits,
         splits * n, targets.stride(0),
-        METRICS=metrics, SMOOTHING=sum_z, SQUARES=squares, Z_PLANE=int(hopper), BLOCK=_COMBINE_BLOCK,
+        METRICS=metrics, SUM_Z=sum_z, SQUARES=squares, Z_PLANE=int(hopper), BLOCK=_COMBINE_BLOCK,
         SPLIT_BLOCK=_COMBINE_SPLITS,
     )
     if shard is not None:
@@ -205,7 +205,7 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), tile_scale, softcap, softcap_out, tiles_per_split, splits, offset, opts.ignore_index,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
-        SMOOTHING=sum_z, SQUARES=squares, HAS_CLASS_WEIGHT=class_weight is not None,
+        SUM_Z=sum_z, SQUARES=squares, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma, E_T=e_t,
         GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),

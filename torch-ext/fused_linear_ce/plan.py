@@ -85,7 +85,7 @@ def lean_chunk_bytes(v: int, h: int, dtype: torch.dtype, chunk_bytes: int | None
     DEFAULT_PAIRED_BYTES) less grad_weight's 4-bit remainder (V x ceil(H / 2) bytes,
     ``pairs.compensation_buffer(hi, torch.uint8)``), or None when that leaves fewer than
     LEAN_MIN_ROWS rows of the (R, V) buffer. At 128256 x 4096: 250.5 MiB of remainder, 1024-row
-    chunks by default, 4096 in 1.25 GiB. Which calls take it: ``chunked.long_context_budget``."""
+    chunks by default, 4096 in 1.25 GiB. Which calls take it: ``_long_context_budget``."""
     budget = (DEFAULT_PAIRED_BYTES if chunk_bytes is None else chunk_bytes) - v * triton.cdiv(h, 2)
     return budget if budget // max(1, v * dtype.itemsize) >= LEAN_MIN_ROWS else None
 
