@@ -16,7 +16,7 @@ Two strategies:
 - "chunked" ("mean" / "sum": the upstream gradient is one scalar g): the forward forms da with unit
   coefficients (1 on counted rows) and runs all four products; the common factor (1 / count, or
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
-  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
+  by g (``saved_gradients.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
   reaching ``log_probs`` is added by a recompute backward of that term alone (its upstream is only
   known then): the student's logits and its two gradient products, three a chunk.
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three

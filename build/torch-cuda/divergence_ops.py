@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import chunked as chunked_path
-from . import divergence, opargs, ops
+from . import divergence, opargs, ops, saved_gradients
 from .plan import CHUNKED, plan_divergence
 from .divergence import Head, Spec
 from .validate import Options
@@ -122,7 +122,7 @@ def _setup_context(ctx, inputs, output):
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])
     ctx.chunked = o["mode"] == CHUNKED
     ctx.dtypes = (hs.dtype, ws.dtype, bs.dtype if bs is not None else hs.dtype)
-    ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``ops.scale_saved``)
+    ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``saved_gradients``)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1], output[3], output[4], output[5], output[6])
     saved = output[4:] if ctx.chunked else (None, None, None)
@@ -131,13 +131,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
     if ctx.chunked:
-        ops.check_spent(ctx, "fused_linear_divergence")
+        saved_gradients.check_spent(ctx, "fused_linear_divergence")
     hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, stats, dx, dw, db = ctx.saved_tensors
     o = ctx.options
     needs = ctx.computed
     grads = [None, None, None]
     if ctx.chunked and grad_div is not None:
-        scaled = ops.scale_saved(ctx, (dx, dw, db), grad_div.reshape(()), needs)
+        scaled = saved_gradients.scale_saved(ctx, (dx, dw, db), grad_div.reshape(()), needs)
         grads = [s if need else None for s, need in zip(scaled, needs)]
         grad_div = None
     if grad_div is not None or grad_lp is not None:

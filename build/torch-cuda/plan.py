@@ -18,6 +18,15 @@ their autograd read it. The modes, one mechanism each:
   them into the gradient in place (a second backward takes ``passes``).
 The divergence takes CHUNKED (its gradients formed in the forward), RECOMPUTE or VALUES, each with
 its chunks of rows (``DivergenceChunks``).
+
+Three words, one meaning each across the package: "chunked" is the gradients formed in the forward
+(the public strategy="chunked" of the per-token function takes EXPONENTIALS, its one way to save a
+product); "hosted" is a temporary in the memory of the gradient it becomes or is the input of (the
+recompute backward's N x H accumulator, half in grad_hidden: ``BackwardPlan.hosted``; HOSTED's
+(N, V) buffer and a head's, in grad_weight); "borrowed" is a temporary in the memory of another
+gradient, free until that one is written (the N x H accumulator in grad_weight's last rows:
+``BackwardPlan.borrowed``; the chunked sweep's per-tile statistics in the chunk's rows of
+grad_hidden).
 """
 
 from dataclasses import dataclass

@@ -11,20 +11,21 @@ softmax and S = sum_v p_v z_v:
     mean_logits = sum_v z_v / V             is_top1 = the target is the first argmax
 
 so upstream gradients g (log-probs) and E (entropy) give ``da = (A - E (z - S)) p - B onehot``
-with A = B = -g: the recompute path's dlogits kernel and the chunked path's in-place kernel with
-their ENTROPY_GRAD term, coefficients (5, N) [A, B, C = 0, E, S]. Ignored rows (target ==
-ignore_index) get 0 in every field (False for is_top1) and no gradient.
+with A = B = -g: the recompute path's dlogits kernel and the chunked path's in-place kernel (which
+EXPONENTIALS runs too) with their ENTROPY_GRAD term, coefficients (5, N) [A, B, C = 0, E, S].
+Ignored rows (target == ignore_index) get 0 in every field (False for is_top1) and no gradient.
 
 The two ways through the backward (``plan.plan_tokens``):
 - recompute: the forward keeps the per-row lse only, the backward recomputes the logits block by
   block (``recompute.backward``, memory set by ``chunk_bytes``); four products in all.
-- chunked: the per-row upstream gradients are unknown until the backward, so the forward cannot
-  form the gradients as the loss's chunked path does (dW needs them); instead it keeps the sweep's
-  exponentials ``exp(z - m_tile)`` of all N rows, (N, V) in the input dtype, and the backward turns
-  them into da in place and runs the two products: three in all, for an (N, V) buffer held from the
-  forward to the backward (it must fit in ``chunk_bytes``). The first backward spends the buffer; a
-  later one through the same graph (``retain_graph=True``) takes the recompute path's backward from
-  the inputs and the per-row statistics, which the forward keeps either way (``_backward``).
+- EXPONENTIALS (strategy="chunked"): the per-row upstream gradients are unknown until the backward,
+  so the forward cannot form the gradients as the loss's chunked path does (dW needs them); instead
+  it keeps the sweep's exponentials ``exp(z - m_tile)`` of all N rows, (N, V) in the input dtype,
+  and the backward turns them into da in place and runs the two products: three in all, for an
+  (N, V) buffer held from the forward to the backward (it must fit in ``chunk_bytes``). The first
+  backward spends the buffer; a later one through the same graph (``retain_graph=True``) takes the
+  recompute path's backward from the inputs and the per-row statistics, which the forward keeps
+  either way (``_backward``).
 """
 
 import math
@@ -240,7 +241,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[2:])
     entropy = output[1] if "entropy" in o["outputs"] else None
     ctx.save_for_backward(hidden, weight, bias, targets, output[5], entropy, output[6], output[7], scalars_)
-    ctx.spent = False  # the chunked path's exponentials, once a backward has turned them into da
+    ctx.spent = False  # EXPONENTIALS' buffer, once a backward has turned it into da
 
 
 def _backward(ctx, grad_lp, grad_ent, *_rest):
