@@ -84,7 +84,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, plan: Pl
     if n == 0:
         return _no_rows(hidden, weight, targets, bias, class_weight, opts, shard, needs, dw_dtype)
     if cfg is None:
-        cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
+        cfg = autotune.choose("chunked", hidden, v, lambda c: forward(
             hidden, weight, targets, bias, class_weight, opts, plan, need_dx, need_dw, need_db, shard, divisor,
             cfg=c, dw_dtype=dw_dtype),
             plan.budget, shard, variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, *needs))
