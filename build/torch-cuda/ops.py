@@ -3,7 +3,7 @@
 ``torch.compile(fullgraph=True)`` sees two opaque ops and their output shapes, so a training step
 that calls the loss compiles without a graph break. The namespace is the package's own module name,
 unique per build (the loader imports each build under its own id), so two builds can live in one
-process (``opargs.NAMESPACE``). Options and the call's plan travel as the ops' arguments (``opargs``); the
+process (``custom_ops.NAMESPACE``). Options and the call's plan travel as the ops' arguments (``opargs``); the
 per-row loss arithmetic (``losses.py``) runs inside the ops, so their outputs are the final loss,
 metrics and lse.
 """
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, losses, opargs, parallel, recompute, saved_gradients, sweep
+from . import chunked, custom_ops, losses, opargs, parallel, recompute, saved_gradients, sweep
 from .plan import GRADIENTS_IN_FORWARD, RECOMPUTE, plan_loss
 from .validate import Options
 
@@ -50,8 +50,7 @@ def count_tensor(num_items, where: torch.device) -> torch.Tensor:
     return torch.full((), float(num_items), device=where)
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::forward", mutates_args=())
-def forward(
+def _forward_impl(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     class_weight: Optional[torch.Tensor], divisor: Optional[torch.Tensor], scalars: torch.Tensor, ignore_index: int,
     reduction: str, return_metrics: bool, return_lse: bool, chunk_bytes: Optional[int], group_id: int,
@@ -91,9 +90,8 @@ def forward(
     return (loss, sums, stats.lse, stats.lse2, *grads)
 
 
-@forward.register_fake
-def _(hidden, weight, bias, targets, class_weight, divisor, scalars_, ignore_index, reduction, return_metrics,
-      return_lse, chunk_bytes, group_id, mode, plan_, need_dx, need_dw, need_db):
+def _forward_fake(hidden, weight, bias, targets, class_weight, divisor, scalars_, ignore_index, reduction,
+                  return_metrics, return_lse, chunk_bytes, group_id, mode, plan_, need_dx, need_dw, need_db):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     sums = hidden.new_empty((3,) if return_metrics else (0,), dtype=torch.float32)
@@ -109,8 +107,7 @@ def _(hidden, weight, bias, targets, class_weight, divisor, scalars_, ignore_ind
             hidden.new_empty((2, n), dtype=torch.float32), *grads)
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::backward", mutates_args=())
-def backward(
+def _backward_impl(
     grad_loss: torch.Tensor, grad_lse: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, class_weight: Optional[torch.Tensor],
     lse2: torch.Tensor, scalars: torch.Tensor, ignore_index: int, reduction: str, chunk_bytes: Optional[int],
@@ -130,10 +127,12 @@ def backward(
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dx, dw, db))
 
 
-@backward.register_fake
-def _(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, scalars_, ignore_index, reduction,
-      chunk_bytes, group_id, plan_, need_dx, need_dw, need_db):
+def _backward_fake(grad_loss, grad_lse, hidden, weight, bias, targets, class_weight, lse2, scalars_, ignore_index,
+                   reduction, chunk_bytes, group_id, plan_, need_dx, need_dw, need_db):
     return opargs.fake_gradients(hidden, weight, bias, need_dx, need_dw, need_db)
+
+
+backward = custom_ops.define("backward", _backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -157,14 +156,12 @@ def _setup_context(ctx, inputs, output):
     if ctx.chunked:
         ctx.save_for_backward(*output[4:])
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else hidden.dtype)
-        ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``_backward``)
     else:
         ctx.save_for_backward(hidden, weight, bias, targets, class_weight, output[3], divisor, scalars_)
 
 
-def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
-    if ctx.chunked:
-        saved_gradients.check_spent(ctx, "fused_linear_cross_entropy")
+def _gradients(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
+    """The gradients of hidden, weight and bias (``custom_ops.define`` gives the rest None)."""
     need_dx, need_dw, need_db = ctx.needs
     o = ctx.options
     if grad_loss is None:  # only the lse reaches the loss: the loss's own gradient is 0
@@ -185,11 +182,11 @@ def _backward(ctx, grad_loss, _grad_sums, grad_lse, _grad_lse2, *_grad_grads):
             grad_loss, grad_lse if o["return_lse"] else None, hidden, weight, bias, targets, class_weight, lse2,
             scalars_, o["ignore_index"], o["reduction"], o["chunk_bytes"], o["group_id"], o["plan"], *ctx.needs,
         )
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-            None, None, None, None) + ARGS.no_gradients
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
-forward.register_autograd(_backward, setup_context=_setup_context)
+forward = custom_ops.define("forward", _forward_impl, _forward_fake, backward=_gradients, setup_context=_setup_context,
+                            guard="fused_linear_cross_entropy")
 
 
 def apply(hidden, weight, targets, bias, class_weight, opts: Options, group=None, divisor=None):

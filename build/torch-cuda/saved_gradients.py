@@ -1,16 +1,15 @@
 """The backward of the modes that form the gradients in the forward (the loss's and the divergence's
 CHUNKED, HOSTED, LONG_CONTEXT): the saved gradients, those of an upstream gradient of 1, times the
-real one; and the guard of a second backward through the same graph, whose gradients the first
-scaled in place.
+real one, scaled in place where that spends no memory (a second backward through the same graph then
+meets ``custom_ops.check_spent``).
 """
 
 import torch
 
-from . import opargs, products
+from . import custom_ops, products
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::scale_gradients", mutates_args=())
-def scale_gradients(
+def _scale_gradients(
     grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor, grad_loss: torch.Tensor,
     hidden_dtype: torch.dtype, weight_dtype: torch.dtype, bias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,52 +23,31 @@ def scale_gradients(
                                                    (grad_bias, bias_dtype)))
 
 
-@scale_gradients.register_fake
-def _(grad_hidden, grad_weight, grad_bias, grad_loss, hidden_dtype, weight_dtype, bias_dtype):
+def _scale_gradients_fake(grad_hidden, grad_weight, grad_bias, grad_loss, hidden_dtype, weight_dtype, bias_dtype):
     return (grad_hidden.new_empty(grad_hidden.shape, dtype=hidden_dtype),
             grad_weight.new_empty(grad_weight.shape, dtype=weight_dtype),
             grad_bias.new_empty(grad_bias.shape, dtype=bias_dtype))
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::scale_in_place", mutates_args=("grad",))
-def scale_in_place(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
+scale_gradients = custom_ops.define("scale_gradients", _scale_gradients, _scale_gradients_fake)
+
+
+def _scale_in_place(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
     """grad *= the upstream gradient, in place (fp32 arithmetic, one rounding, ``products.scale``): a
     chunked-path gradient already in its leaf's dtype."""
     products.scale(grad, grad_loss.to(torch.float32), out=grad)
 
 
-@scale_in_place.register_fake
-def _(grad, grad_loss):
+def _scale_in_place_fake(grad, grad_loss):
     return None
 
 
-def _spent(names, function: str) -> RuntimeError:
-    """The error of a backward through a graph whose chunked-path gradients an earlier backward
-    scaled in place: they are the leaves' gradients now (autograd may have made that very tensor
-    ``.grad``), and recomputing them would need ``hidden``, which this path does not keep: keeping
-    it would cost every single backward N x H bytes."""
-    return RuntimeError(
-        f"{function}: a second backward through the same graph (retain_graph=True) on the chunked "
-        "path (strategy=\"chunked\", or \"auto\" for this call) is not supported: its forward computed the "
-        f"gradients, the first backward scaled those of {' and '.join(names)} in place into the leaves' gradients, "
-        "and the path does not keep hidden to compute them again. Use strategy=\"recompute\", whose every backward "
-        "recomputes the gradients, to backward through one graph more than once.")
-
-
-def check_spent(ctx, function: str) -> None:
-    """The first thing of a backward that may take the chunked path (the loss's, the divergence's):
-    a second backward through a graph whose gradients ``scale_saved`` scaled in place raises
-    (``_spent``, named for ``function``) before anything is read (reading ``ctx.saved_tensors`` would
-    raise autograd's version-counter error instead) or written. (A graph freed without
-    retain_graph=True never gets here: autograd raises its own error before it calls a backward
-    whose saved tensors are freed.)"""
-    if ctx.spent:
-        raise _spent(ctx.spent, function)
+scale_in_place = custom_ops.define("scale_in_place", _scale_in_place, _scale_in_place_fake, mutates_args=("grad",))
 
 
 def scale_saved(ctx, saved, grad_loss: torch.Tensor, needs) -> list:
-    """The chunked path's backward, the loss's and the divergence's (after ``check_spent``): its
-    forward's gradients ``saved`` (grad_hidden, grad_weight, grad_bias for an upstream gradient of 1,
+    """The chunked path's backward, the loss's and the divergence's (after ``custom_ops.check_spent``):
+    its forward's gradients ``saved`` (grad_hidden, grad_weight, grad_bias for an upstream gradient of 1,
     ``needs`` those computed) times ``grad_loss``, in the leaves' dtypes ``ctx.dtypes``.
 
     A gradient already in its leaf's dtype (bf16 and fp32 inputs, an fp32 master weight) is scaled

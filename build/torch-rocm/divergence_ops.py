@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import chunked as chunked_path
-from . import divergence, opargs, ops, saved_gradients
+from . import custom_ops, divergence, opargs, ops, saved_gradients
 from .plan import CHUNKED, plan_divergence
 from .divergence import Head, Spec
 from .validate import Options
@@ -49,8 +49,7 @@ def _over(numerator, denominator: torch.Tensor, counted: torch.Tensor) -> torch.
     return torch.where(counted.any(), quotient, torch.zeros_like(quotient))
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::divergence_forward", mutates_args=())
-def divergence_forward(
+def _forward_impl(
     hs: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor], ht: torch.Tensor, wt: torch.Tensor,
     bt: Optional[torch.Tensor], targets: Optional[torch.Tensor], counted: torch.Tensor,
     denominator: Optional[torch.Tensor], scalars: torch.Tensor, reduction: str, mode: str, plan: list[int],
@@ -74,9 +73,8 @@ def divergence_forward(
     return (div, entropy, log_probs, stats, *grads)
 
 
-@divergence_forward.register_fake
-def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, reduction, mode, plan_, need_dx, need_dw,
-      need_db):
+def _forward_fake(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, reduction, mode, plan_, need_dx,
+                  need_dw, need_db):
     n, h = hs.shape
     v = ws.shape[0]
     chunked = mode == CHUNKED
@@ -91,8 +89,7 @@ def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, reduction,
             hs.new_empty((v,), dtype=torch.float32) if chunked and need_db else empty)
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::divergence_backward", mutates_args=())
-def divergence_backward(
+def _backward_impl(
     coef: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor], ht: torch.Tensor,
     wt: torch.Tensor, bt: Optional[torch.Tensor], targets: Optional[torch.Tensor], counted: torch.Tensor,
     stats: torch.Tensor, scalars: torch.Tensor, mode: str, plan: list[int],
@@ -109,10 +106,12 @@ def divergence_backward(
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
 
-@divergence_backward.register_fake
-def _(coef, hs, ws, bs, ht, wt, bt, targets, counted, stats, scalars, mode, plan_, need_dx, need_dw, need_db,
-      div_grad):
+def _backward_fake(coef, hs, ws, bs, ht, wt, bt, targets, counted, stats, scalars, mode, plan_, need_dx, need_dw,
+                   need_db, div_grad):
     return opargs.fake_gradients(hs, ws, bs, need_dx, need_dw, need_db)
+
+
+divergence_backward = custom_ops.define("divergence_backward", _backward_impl, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -122,16 +121,14 @@ def _setup_context(ctx, inputs, output):
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])
     ctx.chunked = o["mode"] == CHUNKED
     ctx.dtypes = (hs.dtype, ws.dtype, bs.dtype if bs is not None else hs.dtype)
-    ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``saved_gradients``)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1], output[3], output[4], output[5], output[6])
     saved = output[4:] if ctx.chunked else (None, None, None)
     ctx.save_for_backward(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, output[3], *saved)
 
 
-def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
-    if ctx.chunked:
-        saved_gradients.check_spent(ctx, "fused_linear_divergence")
+def _gradients(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
+    """The gradients of the student's hidden, weight and bias (``custom_ops.define`` gives the rest None)."""
     hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, stats, dx, dw, db = ctx.saved_tensors
     o = ctx.options
     needs = ctx.computed
@@ -149,10 +146,11 @@ def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
                                    scalars, o["mode"], o["plan"], *needs, grad_div is not None)
         more = [m if need else None for m, need in zip(more, needs)]
         grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
-    return (*grads, None, None, None, None, None, None, None) + ARGS.no_gradients
+    return grads
 
 
-divergence_forward.register_autograd(_backward, setup_context=_setup_context)
+divergence_forward = custom_ops.define("divergence_forward", _forward_impl, _forward_fake, backward=_gradients,
+                                       setup_context=_setup_context, guard="fused_linear_divergence")
 
 
 def apply(hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec, strategy: str, chunk_bytes):

@@ -25,7 +25,7 @@ The two ways through the backward (``plan.plan_tokens``):
   (N, V) buffer held from the forward to the backward (it must fit in ``chunk_bytes``). The first
   backward spends the buffer; a later one through the same graph (``retain_graph=True``) takes the
   recompute path's backward from the inputs and the per-row statistics, which the forward keeps
-  either way (``_backward``).
+  either way (``_gradients``).
 """
 
 import math
@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, configs, device, losses, opargs, ops, parallel, products, recompute, sweep
+from . import chunked, configs, custom_ops, device, losses, opargs, ops, parallel, products, recompute, sweep
 from .plan import EXPONENTIALS, RECOMPUTE, plan_tokens
 from .validate import Options
 
@@ -77,8 +77,7 @@ def _fields(stats: sweep.RowStats, targets, opts: Options, v_total: int) -> dict
     return out
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::token_forward", mutates_args=())
-def token_forward(
+def _forward_impl(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     scalars: torch.Tensor, ignore_index: int, outputs: list[bool], chunk_bytes: Optional[int], group_id: int,
     mode: str, plan: list[int], need_dx: bool, need_dw: bool, need_db: bool,
@@ -114,9 +113,8 @@ def token_forward(
     return (*out, fields.get("is_top1", empty.to(torch.bool)), row, exps, tile_max)
 
 
-@token_forward.register_fake
-def _(hidden, weight, bias, targets, scalars_, ignore_index, outputs, chunk_bytes, group_id, mode, plan_, need_dx,
-      need_dw, need_db):
+def _forward_fake(hidden, weight, bias, targets, scalars_, ignore_index, outputs, chunk_bytes, group_id, mode, plan_,
+                  need_dx, need_dw, need_db):
     n, v = hidden.shape[0], weight.shape[0]
     names = _names(outputs)
     out = [hidden.new_empty((n,) if name == "log_probs" or name in names else (0,), dtype=torch.float32)
@@ -152,8 +150,7 @@ def token_coefficients(grad_lp, grad_ent, row, entropy, targets, opts: Options, 
     return torch.cat([scaled, coef[4:]]), s
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::token_backward", mutates_args=())
-def token_backward(
+def _backward_impl(
     grad_lp: Optional[torch.Tensor], grad_ent: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, row: torch.Tensor, entropy: Optional[torch.Tensor],
     scalars: torch.Tensor, ignore_index: int, chunk_bytes: Optional[int], group_id: int, plan: list[int],
@@ -173,14 +170,15 @@ def token_backward(
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
 
-@token_backward.register_fake
-def _(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_, ignore_index, chunk_bytes, group_id,
-      plan_, need_dx, need_dw, need_db):
+def _backward_fake(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_, ignore_index, chunk_bytes,
+                   group_id, plan_, need_dx, need_dw, need_db):
     return opargs.fake_gradients(hidden, weight, bias, need_dx, need_dw, need_db)
 
 
-@torch.library.custom_op(f"{opargs.NAMESPACE}::token_backward_exponentials", mutates_args=("exps",))
-def token_backward_exponentials(
+token_backward = custom_ops.define("token_backward", _backward_impl, _backward_fake)
+
+
+def _exponentials_impl(
     grad_lp: Optional[torch.Tensor], grad_ent: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, row: torch.Tensor, entropy: Optional[torch.Tensor],
     exps: torch.Tensor, tile_max: torch.Tensor, scalars: torch.Tensor, ignore_index: int, group_id: int,
@@ -222,10 +220,13 @@ def token_backward_exponentials(
     return grad_hidden, grad_weight, grad_bias
 
 
-@token_backward_exponentials.register_fake
-def _(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_, ignore_index,
-      group_id, need_dx, need_dw, need_db):
+def _exponentials_fake(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_,
+                       ignore_index, group_id, need_dx, need_dw, need_db):
     return opargs.fake_gradients(hidden, weight, bias, need_dx, need_dw, need_db)
+
+
+token_backward_exponentials = custom_ops.define("token_backward_exponentials", _exponentials_impl, _exponentials_fake,
+                                                mutates_args=("exps",))
 
 
 def _setup_context(ctx, inputs, output):
@@ -241,24 +242,25 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[2:])
     entropy = output[1] if "entropy" in o["outputs"] else None
     ctx.save_for_backward(hidden, weight, bias, targets, output[5], entropy, output[6], output[7], scalars_)
-    ctx.spent = False  # EXPONENTIALS' buffer, once a backward has turned it into da
+    ctx.exponentials_spent = False  # EXPONENTIALS' buffer, once a backward has turned it into da
 
 
-def _backward(ctx, grad_lp, grad_ent, *_rest):
+def _gradients(ctx, grad_lp, grad_ent, *_rest):
+    """The gradients of hidden, weight and bias (``custom_ops.define`` gives the rest None)."""
     if "entropy" not in ctx.options["outputs"]:  # the empty placeholder output: a compiled backward may
         grad_ent = None                          # pass it a materialised (0,) gradient
-    nothing = (None,) * 5 + ARGS.no_gradients  # hidden, weight, bias, targets, scalars; the options
     if grad_lp is None and grad_ent is None:
-        return nothing
+        return ()
     hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_ = ctx.saved_tensors
     o = ctx.options
-    if ctx.exponentials and not ctx.spent:
+    if ctx.exponentials and not ctx.exponentials_spent:
         # The first backward turns the saved exponentials into da in place (the op declares the
         # mutation). It writes through ``.data``, which autograd does not version: a later backward
         # through the same graph (retain_graph=True) can still unpack the inputs and statistics saved
-        # beside them, and ``spent`` sends it to the recompute backward below, which reads only those
-        # (the same gradients, rounded as that path rounds them), at no cost to a single backward.
-        ctx.spent = True
+        # beside them, and ``exponentials_spent`` sends it to the recompute backward below, which reads
+        # only those (the same gradients, rounded as that path rounds them), at no cost to a single
+        # backward.
+        ctx.exponentials_spent = True
         dx, dw, db = token_backward_exponentials(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy,
                                                  exps.data, tile_max, scalars_, o["ignore_index"], o["group_id"],
                                                  *ctx.needs)
@@ -266,10 +268,11 @@ def _backward(ctx, grad_lp, grad_ent, *_rest):
         dx, dw, db = token_backward(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_,
                                     o["ignore_index"], o["chunk_bytes"], o["group_id"], o["plan"], *ctx.needs)
     need_dx, need_dw, need_db = ctx.needs
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + nothing[3:]
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
-token_forward.register_autograd(_backward, setup_context=_setup_context)
+token_forward = custom_ops.define("token_forward", _forward_impl, _forward_fake, backward=_gradients,
+                                  setup_context=_setup_context)
 
 
 def apply(hidden, weight, targets, bias, opts: Options, group=None) -> dict:

@@ -374,7 +374,7 @@ def test_nothing_counted_has_zero_gradients_over_no_rows(strategy, nothing, deno
 def test_chunked_second_backward_raises_the_losss_error(dtype):
     """The chunked strategy scales its forward's gradients in place in the first backward (fp32 / bf16
     ones, already in the leaves' dtype): a second backward through the same graph raises the loss's
-    clear error (``saved_gradients.check_spent``) naming fused_linear_divergence, before anything is written;
+    clear error (``custom_ops.check_spent``) naming fused_linear_divergence, before anything is written;
     fp16's fp32 unit gradients are scaled into new tensors, so its second backward is the first's
     again. strategy="recompute", which the message names, backwards the graph any number of times."""
     inputs = _inputs(dtype, bias=True)

@@ -6,7 +6,7 @@
   argument does not, and it is read inside the op on the host (a CPU tensor: no device sync).
   Adding a float option is its name in the declaration and its use.
 - their other options (``Args``): the op's own int / bool / str arguments, in one declared order
-  that packs them, unpacks them in the autograd context and counts their gradients (None).
+  that packs them and unpacks them in the autograd context (``custom_ops.define`` registers the ops).
 - the call's plan (``plan.Plan``, ``plan.DivergencePlan``), the one argument that picks the path:
   its mode as a string, the rest as one list of ints (a custom op takes no dataclass). The op, its
   fake implementation and its autograd context decode the same arguments; nothing re-derives it.
@@ -18,11 +18,6 @@ import torch
 
 from .backward_passes import BackwardPlan
 from .plan import DivergenceChunks, DivergencePlan, Plan
-
-# The ops' namespace: the package's own module name, unique per build (the loader imports each build
-# under its own id), so two builds can live in one process.
-NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
-
 
 def float_tensor(values) -> torch.Tensor:
     """Floats as one CPU float64 tensor, traceable: under ``torch.compile`` they may be symbolic."""
@@ -65,11 +60,6 @@ class Args:
     def unpack(self, values) -> dict:
         """{name: value} of the op's arguments as the autograd context gets them."""
         return dict(zip(self.names, values))
-
-    @property
-    def no_gradients(self) -> tuple:
-        """What a backward returns for these arguments: None each."""
-        return (None,) * len(self.names)
 
 
 def fake_gradients(hidden, weight, bias, need_dx: bool, need_dw: bool, need_db: bool):
