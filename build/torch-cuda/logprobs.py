@@ -3,9 +3,9 @@
 import torch
 
 from . import tokens, topk as _topk
-from .api import autocast_head, shift_targets
+from .api import head_call
 from .plan import exponentials_unsupported
-from .validate import Options, check_flag, check_inputs, check_process_group
+from .validate import Options, check_flag
 
 
 def check_outputs(outputs) -> tuple:
@@ -17,22 +17,20 @@ def check_outputs(outputs) -> tuple:
     return tuple(name for name in tokens.FIELDS if name in outputs)  # canonical order, no duplicates
 
 
+def _check_exponentials(opts: Options, n: int, v: int, dtype: torch.dtype) -> None:
+    """strategy="chunked" asked for: raises where its exponentials cannot be kept
+    (``plan.exponentials_unsupported``)."""
+    why = exponentials_unsupported(opts, n, v, dtype)
+    if why is not None:
+        raise ValueError(f'strategy="chunked" keeps the exponentials from the forward to the backward and cannot '
+                         f'take {why}; use strategy="recompute" or "auto"')
+
+
 def fused_linear_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    outputs=("log_probs",),
-    ignore_index: int = -100,
-    shift: bool = False,
-    process_group=None,
-    chunk_bytes: int | None = None,
-    strategy: str = "auto",
-    topk: bool = False,
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None, *,
+    temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None, outputs=("log_probs",),
+    ignore_index: int = -100, shift: bool = False, process_group=None, chunk_bytes: int | None = None,
+    strategy: str = "auto", topk: bool = False,
 ) -> dict:
     """Per-token ``log_softmax(z)[t]`` and, on request, the entropy, ``log sum p^2``, the mean logit
     and whether the target is the top-1 class, for ``z = softcap((hidden @ weight.T + bias) *
@@ -51,24 +49,18 @@ def fused_linear_logprobs(
             ``"mean_logits"``, ``"is_top1"``. Each extra field costs a little in the sweep; the
             entropy's gradient costs nothing when the entropy does not reach the loss.
         chunk_bytes, strategy: the memory knob and the path of the backward. "recompute": the
-            forward keeps the per-row lse and the backward recomputes the logits in blocks that
-            ``chunk_bytes`` bounds (default 192 MiB). "chunked": the forward keeps the sweep's
-            exponentials of all rows, N x V in the input dtype, and the backward turns them into the
-            logits' gradient in place: one product fewer, for that buffer from the forward to the
-            backward; it must fit in ``chunk_bytes`` (256 MiB by default) and cannot take a softcap with the entropy
-            (ValueError). The first backward spends that buffer: a later one through the same graph
-            (``retain_graph=True``) recomputes as "recompute" does. "auto" (default): "chunked" where it is
-            possible (``plan.plan_tokens``), else "recompute". Without gradients (``torch.no_grad``, a reference model)
-            both run the forward sweep alone.
-        topk: k targets per row (the top-k ids a teacher served elsewhere sends): ``targets`` is
-            (..., k), hidden's leading shape plus a trailing k >= 1, and ``log_probs`` is (..., k),
-            the log-prob of each id, 0 where the id is ``ignore_index`` (padding), NaN where it is out
-            of [0, V); differentiable, ``d/dz = sum_j u_j (onehot(t_j) - p)`` over the non-padded ids.
-            One sweep (the lse, through the row's first id in range) and the k logits gathered in
-            fp32 (N x k x H, in blocks of rows; no (N, V) tensor). The other fields stay per row
-            (...); "is_top1" and ``process_group`` are refused. ``shift`` moves the ids along the
-            second-to-last dim. An explicit flag: a (N, k) targets tensor with 2-D hidden is never
-            guessed to be k ids per row.
+            backward recomputes the logits in blocks within ``chunk_bytes`` (default 192 MiB).
+            "chunked": the forward keeps the exponentials of all rows, N x V in the input dtype,
+            which the backward turns into the logits' gradient in place: one product fewer; they
+            must fit in ``chunk_bytes`` (default 256 MiB), not with a softcap and the entropy
+            (ValueError); a second backward through the graph recomputes. "auto" (default):
+            "chunked" where possible (``plan.plan_tokens``), else "recompute". Without gradients
+            both run the forward sweep alone (docs/design.md, "Per-token outputs").
+        topk: ``targets`` is (..., k), k ids per row (a teacher's top-k), and ``log_probs`` (..., k)
+            the log-prob of each, 0 for ``ignore_index`` (padding), NaN out of [0, V),
+            differentiable; one sweep and the k logits gathered in fp32. The other fields stay per
+            row; "is_top1" and ``process_group`` are refused; ``shift`` moves the ids along the
+            second-to-last dim. Explicit: (N, k) targets with 2-D hidden are never guessed as k ids.
 
     Returns:
         A dict {field: tensor of targets' shape}, the requested fields in the order above: fp32, and
@@ -93,20 +85,8 @@ def fused_linear_logprobs(
                                     strategy=strategy)
     opts = Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction="none",
                    chunk_bytes=chunk_bytes, strategy=strategy, temperature=temperature, outputs=fields)
-    hidden, weight, bias = autocast_head(hidden, weight, bias, keep_fp32_weight=True)
-    check_flag("shift", shift)
-    check_inputs(hidden, weight, targets, bias, opts,
-                 master_weight=isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type))
-    if process_group is not None:
-        check_process_group(process_group)
-    lead = targets.shape
-    n, v = targets.numel(), weight.shape[0]
-    if strategy == "chunked" and (why := exponentials_unsupported(opts, n, v, hidden.dtype)) is not None:
-        raise ValueError(f'strategy="chunked" keeps the exponentials from the forward to the backward and cannot '
-                         f'take {why}; use strategy="recompute" or "auto"')
-    targets = targets.to(torch.int64)
-    if shift and targets.ndim > 0 and targets.shape[-1] > 0:
-        targets = shift_targets(targets, ignore_index)
-    rows = hidden.reshape(n, hidden.shape[-1])
-    out = tokens.apply(rows, weight, targets.reshape(-1), bias, opts, process_group)
+    rows, weight, bias, flat, lead = head_call(hidden, weight, targets, bias, opts, shift, process_group)
+    if strategy == "chunked":
+        _check_exponentials(opts, flat.numel(), weight.shape[0], rows.dtype)
+    out = tokens.apply(rows, weight, flat, bias, opts, process_group)
     return {name: t.reshape(lead) for name, t in out.items()}

@@ -13,27 +13,13 @@ OUTPUTS = ("entropy", "log_probs")
 
 
 def fused_linear_divergence(
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    *,
-    beta: float,
-    student_bias: torch.Tensor | None = None,
-    teacher_bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    student_logit_scale: float = 1.0,
-    student_softcap: float | None = None,
-    teacher_logit_scale: float = 1.0,
-    teacher_softcap: float | None = None,
-    targets: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    num_items_in_batch: int | torch.Tensor | None = None,
-    outputs=(),
-    chunk_bytes: int | None = None,
-    strategy: str = "auto",
+    student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor, *, beta: float, student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None, temperature: float = 1.0, student_logit_scale: float = 1.0,
+    student_softcap: float | None = None, teacher_logit_scale: float = 1.0, teacher_softcap: float | None = None,
+    targets: torch.Tensor | None = None, mask: torch.Tensor | None = None, ignore_index: int = -100,
+    reduction: str = "mean", num_items_in_batch: int | torch.Tensor | None = None, outputs=(),
+    chunk_bytes: int | None = None, strategy: str = "auto",
 ):
     """Computes the per-token divergence between the student's ``softmax(z_s)`` and the teacher's
     ``softmax(z_t)``, ``z = softcap((hidden @ weight.T + bias) * logit_scale) / temperature`` for each
@@ -70,65 +56,81 @@ def fused_linear_divergence(
             divergence, each (...) fp32, 0 on uncounted rows.
         chunk_bytes: the memory knob: one chunk's two fp32 (R, V) logit buffers and, for the
             gradients, da of the M >= R rows whose gradient products run together, R x V x 8 +
-            M x V x (2 or 4) bytes (default 640 MiB: at 8192 x 2048 x 151936, chunks of 256 rows in
-            groups of 1184). The gradients come on top, with the weight's summed over groups in
-            fp32 (4 V x H_s bytes; bf16 on the chunked strategy: a bf16 + 4-bit pair, its own bytes
-            and V x H_s / 2 more).
+            M x V x (2 or 4) bytes (default 640 MiB); the gradients come on top (docs/design.md,
+            "Distillation: the student-teacher divergence").
         strategy: "chunked" (the gradients formed in the forward, four products a chunk; the backward
             scales them; "mean" / "sum" only), "recompute" (the forward computes values with two
             products a chunk, the backward recomputes the logits: six in all), or "auto" (default):
-            "chunked" for "mean" / "sum", else "recompute" (``plan.plan_divergence``). With "chunked", a gradient that
-            reaches ``log_probs`` is added by a recompute of that term in the backward.
+            "chunked" for "mean" / "sum", else "recompute" (``plan.plan_divergence``). With
+            "chunked", a gradient that reaches ``log_probs`` is added by a recompute of that term.
 
     Returns:
-        The divergence, fp32 (0-d, or (...) with "none"); with ``outputs``, ``(divergence, {field:
-        tensor})``.
+        The divergence, fp32 (0-d, or (...) with "none"); with ``outputs``, ``(divergence, {field: tensor})``.
 
     Example:
         >>> loss = fused_linear_divergence(h_s, lm_s.weight, h_t, lm_t.weight, beta=0.5, temperature=2.0)
         >>> loss.backward()
     """
     fields = _check_outputs(outputs, targets)
-    hs, ws, bs = autocast_head(student_hidden, student_weight, student_bias, keep_fp32_weight=True)
-    ht, wt, bt = autocast_head(teacher_hidden, teacher_weight, teacher_bias)
-    master = (isinstance(hs, torch.Tensor) and torch.is_autocast_enabled(hs.device.type)
-              and isinstance(ws, torch.Tensor) and is_master_weight(hs.dtype, ws.dtype))
-    _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master)
+    hs, ws, bs, ht, wt, bt = _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                    teacher_bias, targets, mask)
     check_divergence_options(beta, temperature, student_logit_scale, student_softcap, teacher_logit_scale,
                              teacher_softcap, ignore_index, reduction, num_items_in_batch, chunk_bytes, strategy)
-    lead = hs.shape[:-1]
-    n = lead.numel()
-    if n == 0:
-        raise ValueError(f"empty batch: the leading shape {tuple(lead)} holds no rows")
-    where = hs.device
-    counted = torch.ones((n,), dtype=torch.bool, device=where) if mask is None else mask.reshape(n).clone()
-    flat_targets = None
-    if targets is not None:
-        flat_targets = targets.reshape(n).to(torch.int64)
-        counted &= flat_targets != ignore_index
-    if reduction == "none":
-        denominator = None
-    elif num_items_in_batch is not None:
-        denominator = ops.count_tensor(num_items_in_batch, where)
-    elif reduction == "sum":
-        denominator = torch.ones((), device=where)
-    else:
-        denominator = counted.sum().to(torch.float32)
+    counted, flat_targets = _counted_rows(hs, targets, mask, ignore_index)
     spec = Spec(beta=float(beta),
                 student=Options(logit_scale=student_logit_scale, softcap=student_softcap, temperature=temperature),
                 teacher=Options(logit_scale=teacher_logit_scale, softcap=teacher_softcap, temperature=temperature),
                 reduction=reduction)
-    rows_s = hs.reshape(n, hs.shape[-1])
-    rows_t = ht.reshape(n, ht.shape[-1]).detach()
+    n, lead = counted.shape[0], hs.shape[:-1]
     div, entropy, log_probs = divergence_ops.apply(
-        rows_s, ws, bs, rows_t, wt.detach(), bt.detach() if bt is not None else None, flat_targets,
-        counted.to(torch.int8), denominator, spec, strategy, chunk_bytes)
+        hs.reshape(n, hs.shape[-1]), ws, bs, ht.reshape(n, ht.shape[-1]).detach(), wt.detach(),
+        bt.detach() if bt is not None else None, flat_targets, counted.to(torch.int8),
+        _denominator(reduction, num_items_in_batch, counted), spec, strategy, chunk_bytes)
     if reduction == "none":
         div = div.reshape(lead)
     if not fields:
         return div
     values = {"entropy": entropy, "log_probs": log_probs}
     return div, {name: values[name].reshape(lead) for name in fields}
+
+
+def _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, targets, mask):
+    """Both heads under autocast (``autocast_head``: an fp32 student weight kept as a master weight,
+    the teacher's cast), checked with the targets and the mask (``_check_tensors``)."""
+    hs, ws, bs = autocast_head(student_hidden, student_weight, student_bias, keep_fp32_weight=True)
+    ht, wt, bt = autocast_head(teacher_hidden, teacher_weight, teacher_bias)
+    master = (isinstance(hs, torch.Tensor) and torch.is_autocast_enabled(hs.device.type)
+              and isinstance(ws, torch.Tensor) and is_master_weight(hs.dtype, ws.dtype))
+    _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master)
+    return hs, ws, bs, ht, wt, bt
+
+
+def _counted_rows(hs, targets, mask, ignore_index):
+    """(counted (N,) bool, targets (N,) int64 or None): the rows the mask keeps whose target is not
+    ``ignore_index``; an empty batch raises."""
+    lead = hs.shape[:-1]
+    n = lead.numel()
+    if n == 0:
+        raise ValueError(f"empty batch: the leading shape {tuple(lead)} holds no rows")
+    counted = torch.ones((n,), dtype=torch.bool, device=hs.device) if mask is None else mask.reshape(n).clone()
+    flat_targets = None
+    if targets is not None:
+        flat_targets = targets.reshape(n).to(torch.int64)
+        counted &= flat_targets != ignore_index
+    return counted, flat_targets
+
+
+def _denominator(reduction: str, num_items_in_batch, counted: torch.Tensor):
+    """What the summed divergence is divided by, a 0-d fp32 tensor on the device (no sync): the
+    counted rows ("mean"), 1 ("sum"), ``num_items_in_batch``; None with "none"."""
+    where = counted.device
+    if reduction == "none":
+        return None
+    if num_items_in_batch is not None:
+        return ops.count_tensor(num_items_in_batch, where)
+    if reduction == "sum":
+        return torch.ones((), device=where)
+    return counted.sum().to(torch.float32)
 
 
 def _check_outputs(outputs, targets) -> tuple:

@@ -328,3 +328,25 @@ def test_import_does_not_touch_the_gpu(env_case, backend):
     assert report["cuda_calls"] == [], f"importing the kernel called torch.cuda.{report['cuda_calls']}"
     assert not report["cuda_initialized"]
     assert not report["triton_driver_created"], "importing the kernel created a Triton driver (GPU query)"
+
+
+# The longest a host function may be, docstring included: one screen, read without scrolling back.
+MAX_FUNCTION_LINES = 80
+
+
+def _is_kernel(node) -> bool:
+    """A ``@triton.jit`` / ``@gluon.jit`` function (a kernel or its helper: one program's code, kept whole)."""
+    return any(ast.unparse(d.func if isinstance(d, ast.Call) else d).endswith(("triton.jit", "gluon.jit"))
+               for d in node.decorator_list)
+
+
+def test_no_host_function_is_over_80_lines():
+    """Every function of the package but the kernels fits MAX_FUNCTION_LINES, its docstring included."""
+    long = []
+    for path in sorted(SOURCE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_kernel(node):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"host functions over {MAX_FUNCTION_LINES} lines: {long}"
