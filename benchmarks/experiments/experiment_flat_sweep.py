@@ -129,17 +129,17 @@ def _patched_triton_sweep(real):
     """``sweep._triton_sweep`` with the flat kernel where the call is the plain loss's chunked sweep
     through descriptors into a row-major buffer, the real one elsewhere."""
 
-    def patched(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg, z_target, scratch=None):
+    def patched(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg, z_target, borrowed=None):
         metrics, smoothing, squares = sweep.sums(opts)
         plain = (e_out is not None and e_out.stride(1) == 1 and bias is None and class_weight is None
                  and opts.softcap is None and not (metrics or smoothing or squares) and offset == 0
                  and device.tma_hardware(hidden.device) and device.tma_layout(hidden)
                  and device.tma_layout(weight) and device.tma_layout(e_out))
         if not plain:
-            return real(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg, z_target, scratch)
+            return real(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg, z_target, borrowed)
         n = hidden.shape[0]
         t = triton.cdiv(weight.shape[0], cfg.block_v)
-        stats = device.fp32_fit(scratch, (2, t, n)) if scratch is not None else None
+        stats = device.fp32_fit(borrowed, (2, t, n)) if borrowed is not None else None
         if stats is None:
             stats = device.new((2, t, n), torch.float32, hidden.device)
         flat_sweep(hidden, weight, targets, e_out, z_target, stats, cfg, FLAT["stages"], FLAT["ws"],
@@ -149,9 +149,9 @@ def _patched_triton_sweep(real):
     return patched
 
 
-def shipped(hidden, weight, targets, e_out, z_target, cfg, scratch=None):
+def shipped(hidden, weight, targets, e_out, z_target, cfg, borrowed=None):
     opts = Options()
-    return sweep._triton_sweep(hidden, weight, targets, None, None, opts, 0, e_out, cfg, z_target, scratch)
+    return sweep._triton_sweep(hidden, weight, targets, None, None, opts, 0, e_out, cfg, z_target, borrowed)
 
 
 def compare(hidden, weight, targets, cfg, stages_list, ws_list=(False,)):

@@ -229,7 +229,8 @@ def new(shape, dtype, device) -> torch.Tensor:
 
 def fp32_view(buffer: torch.Tensor, shape, start: int = 0) -> torch.Tensor:
     """An fp32 tensor of ``shape`` over a contiguous ``buffer``'s memory from its element ``start`` on:
-    the memory a 16-bit gradient not yet written lends to an fp32 accumulator or to statistics. The
+    the memory of a 16-bit gradient not yet written, where an fp32 accumulator is hosted or borrowed
+    (``plan``'s two words) or statistics are borrowed. The
     caller's plan guarantees the room and that ``start`` falls on 4 bytes (``fp32_fit`` checks both)."""
     nbytes = math.prod(shape) * 4
     first = start * buffer.element_size()

@@ -32,7 +32,7 @@ from . import configs, plan
 from .configs import TileConfig
 
 REPS = 3
-_ENV = "FUSED_LINEAR_CE_AUTOTUNE"
+_AUTOTUNE_ENV = "FUSED_LINEAR_CE_AUTOTUNE"
 _forced: bool | None = None
 _chosen: dict[tuple, TileConfig] = {}
 _timings: dict[tuple, list[tuple[TileConfig, float | None]]] = {}
@@ -48,7 +48,7 @@ def enable(flag: bool | None) -> None:
 def enabled() -> bool:
     if _forced is not None:
         return _forced
-    return os.environ.get(_ENV, "0") == "1"
+    return os.environ.get(_AUTOTUNE_ENV, "0") == "1"
 
 
 def chosen() -> dict[tuple, TileConfig]:

@@ -226,10 +226,10 @@ class _Gradients:
                 parallel.all_reduce(part, shard)
         if self.dx_hosted is not None:
             split = self.dx_hosted.shape[0]
-            hosted = device.fp32_view(scratch, self.dx_hosted.shape)
-            hosted.copy_(self.dx_hosted)
+            copied = device.fp32_view(scratch, self.dx_hosted.shape)
+            copied.copy_(self.dx_hosted)
             factor = self._factor(self.dx_deferred)
-            products.scale(hosted, factor, out=self.grad_hidden[:split])
+            products.scale(copied, factor, out=self.grad_hidden[:split])
             products.scale(self.dx_acc, factor, out=self.grad_hidden[split:])
         elif self.dx_acc is not self.grad_hidden:
             products.scale(self.dx_acc, self._factor(self.dx_deferred), out=self.grad_hidden)

@@ -350,3 +350,34 @@ def test_no_host_function_is_over_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"host functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+# Names that several modules define on purpose, each for its own instance of one role: a custom-op
+# module's declaration (``custom_ops.define``: its options, implementations, fakes, autograd and
+# ``apply``), a path's ``forward`` / ``backward`` and the ``_allocate`` of its gradients.
+ROLE_NAMES = {"__all__", "FLOATS", "ARGS", "apply", "forward", "backward", "_forward_impl", "_forward_fake",
+              "_backward_impl", "_backward_fake", "_gradients", "_setup_context", "_options", "_allocate"}
+
+
+def _top_level_names(tree) -> set:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        else:
+            targets = []
+        for target in targets:
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_no_two_modules_define_one_name_for_two_things():
+    """A top-level name defined in two package modules is one of ROLE_NAMES; any other is renamed."""
+    where = {}
+    for path in sorted(SOURCE.glob("*.py")):
+        for name in _top_level_names(ast.parse(path.read_text())):
+            where.setdefault(name, []).append(path.name)
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1 and name not in ROLE_NAMES}
+    assert not shared, f"defined in several modules: {shared}"

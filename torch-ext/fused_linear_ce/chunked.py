@@ -118,9 +118,9 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, plan: Pl
         # The per-tile statistics (2 x T x R fp32 for the loss, T = V / 256 tiles: 16 MiB at S4's
         # 4096-row chunk) in the memory of the chunk's rows of grad_hidden where they fit (T <= H / 4
         # for bf16): its product writes them only after the gradient kernel has read the statistics.
-        scratch = g.dx_acc[sl] if need_dx else None
+        borrowed = g.dx_acc[sl] if need_dx else None
         stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg,
-                                        scratch)
+                                        borrowed)
         parts.append(stats)
         coef = losses.row_coefficients(g_ce, g_z, None, stats.lse, targets[sl], losses.rows(weights, row0, row0 + r),
                                        opts)

@@ -68,14 +68,14 @@ except Exception:  # pragma: no cover - a Triton without Gluon, or without these
 
 # FUSED_LINEAR_CE_PINGPONG=0 sends every call to the Triton sweep (A/B runs, or a way out of a
 # Gluon problem on some driver); any other value, or none, leaves ``eligible`` to decide.
-_ENV = "FUSED_LINEAR_CE_PINGPONG"
+_PINGPONG_ENV = "FUSED_LINEAR_CE_PINGPONG"
 
 
 def eligible(hidden, weight, plain: bool) -> bool:
     """Whether the sweep of this call runs here (``rule``, on this call's facts). ``plain``: the
     caller's part of the rule (``sweep.sweep``: a per-token call whose sweep carries nothing but the
     log-sum-exp and the target logit)."""
-    if not HAVE_GLUON or os.environ.get(_ENV) == "0" or device.interpreted():
+    if not HAVE_GLUON or os.environ.get(_PINGPONG_ENV) == "0" or device.interpreted():
         return False
     if hidden.device.type != "cuda" or torch.version.hip is not None:
         return False

@@ -104,15 +104,16 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, shard=No
 
 
 def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None, e_out=None, cfg=None,
-          scratch=None):
+          borrowed=None):
     """Runs the sweep and the merge; returns (RowStats, the per-split statistics).
 
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
     exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
     per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
-    table's or, with autotuning on, the fastest for this shape (``autotune.choose``). ``scratch``: a
-    contiguous tensor whose memory is free until the caller's next write to it (the chunked path's
-    rows of grad_hidden): the per-split statistics live there when they fit, are allocated else."""
+    table's or, with autotuning on, the fastest for this shape (``autotune.choose``). ``borrowed``: a
+    contiguous gradient not yet written, whose memory is free until the caller's next write to it
+    (the chunked path's rows of grad_hidden): the per-split statistics are borrowed there when they
+    fit, allocated else."""
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
@@ -145,7 +146,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
                                                 opts.ignore_index, skip_ignored(opts))
     else:
         stats, argmax, splits = _triton_sweep(hidden, weight, targets, bias, class_weight, opts, offset, e_out, cfg,
-                                              z_target, scratch)
+                                              z_target, borrowed)
     sweep_kernels.combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
         stats, argmax, targets, lse2, z_target,
         wz if sum_z else z_target, entropy if metrics else z_target, best if metrics else z_target,
@@ -160,10 +161,10 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
 
 
 def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, offset, e_out, cfg, z_target,
-                  scratch=None):
+                  borrowed=None):
     """``sweep_kernels.lse_sweep_kernel`` with ``cfg``'s tiles: (stats, argmax or stats, splits); the
     target logit of rows whose target this weight holds into ``z_target``. The statistics in
-    ``scratch``'s memory where they fit (``sweep``)."""
+    ``borrowed``'s memory where they fit (``sweep``)."""
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
@@ -177,7 +178,7 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     # Only the planes this call fills: max, sum (+ entropy and best with metrics, + wz, + squares).
     last = SQUARES_PLANE if squares else SUM_Z_PLANE if sum_z else BEST_PLANE if metrics else SUM_PLANE
     n_stats = last + 1
-    stats = device.fp32_fit(scratch, (n_stats, splits, n)) if scratch is not None else None
+    stats = device.fp32_fit(borrowed, (n_stats, splits, n)) if borrowed is not None else None
     if stats is None:
         stats = device.new((n_stats, splits, n), torch.float32, where)
     argmax = device.new((splits, n), torch.int32, where) if metrics else stats
