@@ -11,9 +11,8 @@
 #
 # Logs go to $OUT/gpu_tests/ when OUT is set (the device machine's result folder), else to
 # ${TMPDIR:-/tmp}/fused_linear_ce_gpu_tests/: pytest.log (output, with --durations=0), junit.xml,
-# file_durations.txt (measured seconds per test file), gpu_durations.json (tests/gpu_durations.json with
-# the files this run measured: copy it over that file after a full run) and env.txt (GPU, driver,
-# torch/triton versions).
+# file_durations.txt (measured seconds per test file), after `all` gpu_durations.json (tests/gpu_durations.json
+# with the files this run measured: copy it over that file) and env.txt (GPU, driver, torch/triton versions).
 #
 # Nothing is installed (the device machine has no network): the python3 on PATH (or $PYTHON) must
 # already have torch with CUDA, triton, kernels and pytest. pytest runs under `timeout -s INT` (default
@@ -98,19 +97,11 @@ if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
 fi
 
 # Measured seconds per test file (setup + call + teardown); gpu_durations.json: the next tests/gpu_durations.json.
-"$PYTHON" - "$LOG_DIR/junit.xml" >"$LOG_DIR/file_durations.txt" 2>&1 <<'EOF' || true
-import collections, sys, xml.etree.ElementTree as ET
-seconds, counts = collections.defaultdict(float), collections.Counter()
-for case in ET.parse(sys.argv[1]).iter("testcase"):
-    name = case.get("classname", "").split(".")[-1] + ".py"
-    seconds[name] += float(case.get("time", 0) or 0)
-    counts[name] += 1
-for name in sorted(seconds, key=seconds.get, reverse=True):
-    print(f"{name:32s} {seconds[name]:8.1f} s  {counts[name]:4d} tests")
-print(f"{'total':32s} {sum(seconds.values()):8.1f} s  {sum(counts.values()):4d} tests")
-EOF
+"$PYTHON" tests/gpu_plan.py files "$LOG_DIR/junit.xml" >"$LOG_DIR/file_durations.txt" 2>&1 || true
 cat "$LOG_DIR/file_durations.txt"
-"$PYTHON" tests/gpu_plan.py durations "$LOG_DIR/junit.xml" \
-    --measured "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) $(date -u +%F): slice $mode, $how" \
-    >"$LOG_DIR/gpu_durations.json" || true
+if [ "$mode" = all ]; then  # a slice runs part of a cut file: only a whole run measures every file
+    "$PYTHON" tests/gpu_plan.py durations "$LOG_DIR/junit.xml" \
+        --measured "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) $(date -u +%F): $how" \
+        >"$LOG_DIR/gpu_durations.json" || true
+fi
 exit "$rc"

@@ -156,17 +156,33 @@ def summary(plan_path: str) -> None:
         print(f"shard{k}:  {counts[k]:4d} tests, ~{seconds[k]:4.0f} s + ~{STARTUP_S} s start-up")
 
 
-def next_durations(junit_path: str, measured: str) -> dict:
+def measured(junit_path: str) -> dict[str, tuple[float, int, int]]:
+    """Per test file of a run's junit.xml: (seconds of its tests' setup + call + teardown, tests, tests
+    that did not skip)."""
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, 0])
+    for case in ET.parse(junit_path).iter("testcase"):
+        row = out[case.get("classname", "").split(".")[-1] + ".py"]
+        row[0] += float(case.get("time", 0) or 0)
+        row[1] += 1
+        row[2] += case.find("skipped") is None
+    return {name: tuple(row) for name, row in out.items()}
+
+
+def file_table(junit_path: str) -> None:
+    """Measured seconds per test file, the slowest first (gpu_tests.sh's file_durations.txt)."""
+    rows = measured(junit_path)
+    for name in sorted(rows, key=lambda n: rows[n][0], reverse=True):
+        print(f"{name:32s} {rows[name][0]:8.1f} s  {rows[name][1]:4d} tests")
+    print(f"{'total':32s} {sum(r[0] for r in rows.values()):8.1f} s  {sum(r[1] for r in rows.values()):4d} tests")
+
+
+def next_durations(junit_path: str, how: str) -> dict:
     """tests/gpu_durations.json with the files that ran a test in ``junit_path`` measured (their tests'
     setup + call + teardown, rounded up to ``ROUND_S``); files that only skipped keep their figures."""
-    ran: dict[str, float] = collections.defaultdict(float)
-    for case in ET.parse(junit_path).iter("testcase"):
-        name = case.get("classname", "").split(".")[-1] + ".py"
-        if case.find("skipped") is None:
-            ran[name] += float(case.get("time", 0) or 0)
+    ran = {name: seconds for name, (seconds, _, not_skipped) in measured(junit_path).items() if not_skipped}
     doc = json.loads(DURATIONS.read_text(encoding="utf-8"))
     seconds = dict(doc["seconds"], **{f: ROUND_S * max(1, math.ceil(s / ROUND_S)) for f, s in ran.items()})
-    doc.update(measured=measured, seconds=dict(sorted(seconds.items())))
+    doc.update(measured=how, seconds=dict(sorted(seconds.items())))
     doc["estimated"] = sorted(f for f in seconds if f not in ran)
     return doc
 
@@ -175,12 +191,15 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description="The GPU test plan's estimates and durations (docs/testing.md).")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("summary", help="estimated seconds per shard and of the tier").add_argument("plan_json")
+    sub.add_parser("files", help="measured seconds per test file of a run's junit.xml").add_argument("junit_xml")
     nxt = sub.add_parser("durations", help="print the next tests/gpu_durations.json from a run's junit.xml")
     nxt.add_argument("junit_xml")
     nxt.add_argument("--measured", required=True, help="where and how it was measured (GPU, date, workers)")
     args = ap.parse_args(argv)
     if args.command == "summary":
         summary(args.plan_json)
+    elif args.command == "files":
+        file_table(args.junit_xml)
     else:
         print(json.dumps(next_durations(args.junit_xml, args.measured), indent=1))
 
