@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "benchmarks" / "experiments"
 SHARED = "experiment_common.py"  # the scripts' shared pieces, no command line of its own
 SCRIPTS = sorted(p.name for p in EXPERIMENTS.glob("experiment_*.py") if p.name != SHARED)
+LIMIT_S = 600  # every script's --help in one interpreter: ~10 s on two CPU cores
 
 # One interpreter for all scripts (torch imports once); each script starts from the sys.path that
 # `python3 script` gives it and without the repository's modules a previous script imported, so none
@@ -45,12 +46,13 @@ def helps() -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")  # a CPU, even on a GPU machine
     paths = [str(EXPERIMENTS / s) for s in SCRIPTS]
     done = subprocess.run([sys.executable, "-c", RUNNER, str(REPO), *paths], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=LIMIT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {Path(k).name: v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
 def test_there_are_experiments():
+    """The glob finds the scripts (18 of them; fewer than 10 means the folder moved)."""
     assert len(SCRIPTS) >= 10, SCRIPTS
 
 

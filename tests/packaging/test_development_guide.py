@@ -48,7 +48,7 @@ def _citations() -> list[tuple[str, str]]:
 
 def test_every_cited_name_exists():
     cited = _citations()
-    assert len(cited) >= 20, cited
+    assert len(cited) >= 20, cited  # the recipes cite ~35: fewer means the pattern no longer finds them
     missing = [f"{m}.{n}" for m, n in cited if not hasattr(importlib.import_module(f"fused_linear_ce.{m}"), n)]
     assert missing == [], "docs/development.md cites names the package does not have"
 

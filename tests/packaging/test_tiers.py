@@ -98,7 +98,7 @@ def test_every_tier_if_marker_chooses_a_test(full_plan):
     for v in full_plan.values():
         for rule, holds in v["tier_rules"].items():
             chosen[rule] |= holds
-    assert len(chosen) >= 10, sorted(chosen)
+    assert len(chosen) >= 10, sorted(chosen)  # 17 tier_if markers: fewer means the report lost them
     assert not [rule for rule, any_case in chosen.items() if not any_case]
 
 
