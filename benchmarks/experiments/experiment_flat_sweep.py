@@ -25,6 +25,7 @@ On the CPU (``TRITON_INTERPRET=1``) ``--check`` runs only run 1's bit-for-bit co
 """
 
 import collections
+import contextlib
 import json
 import subprocess
 import sys
@@ -293,7 +294,7 @@ def run1(args):
     print("\n" + "\n".join(table))
 
 
-# Run 2: the package's chunked sweep under each tile config (``configs._GPU_CHUNKED_SWEEP`` patched):
+# Run 2: the package's chunked sweep under each tile config (``configs.override(chunked=...)``):
 # the 128 x 128 one-tile grid (v13) and the same grid at 128 x 256 w8 (shipped since).
 def _configs():
     wide = configs.TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
@@ -301,10 +302,10 @@ def _configs():
 
 
 def _use(label, cfgs):
-    """Patches the package to run ``label``; returns the undo."""
-    real_cfg = configs._GPU_CHUNKED_SWEEP
-    configs._GPU_CHUNKED_SWEEP = cfgs[label]
-    return lambda: setattr(configs, "_GPU_CHUNKED_SWEEP", real_cfg)
+    """Makes the package run ``label`` (``configs.override``); returns the undo."""
+    held = contextlib.ExitStack()
+    held.enter_context(configs.override(chunked=cfgs[label]))
+    return held.close
 
 
 def _ignored_half(targets, run=512):

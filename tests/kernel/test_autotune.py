@@ -119,7 +119,7 @@ def test_a_candidate_that_does_not_fit_is_skipped_and_other_errors_propagate():
             raise OutOfResources(300000, 232448, "shared memory")
         return cfg
 
-    got = autotune.tiles("sweep", hidden, 300, run)
+    got = autotune.choose("sweep", hidden, 300, run)
     assert got != first and got in configs.candidates("sweep", torch.bfloat16, 48)[1:]
     (timed,) = autotune.timings().values()
     assert timed[0] == (first, None) and all(ms is not None for _c, ms in timed[1:])
@@ -128,7 +128,7 @@ def test_a_candidate_that_does_not_fit_is_skipped_and_other_errors_propagate():
         raise ValueError("a bug, not a resource limit")
 
     with pytest.raises(ValueError, match="a bug"):
-        autotune.tiles("sweep", torch.zeros(8, 48, device=DEVICE, dtype=torch.bfloat16), 300, broken)
+        autotune.choose("sweep", torch.zeros(8, 48, device=DEVICE, dtype=torch.bfloat16), 300, broken)
 
 
 def test_no_tuning_for_a_vocabulary_shard_or_an_empty_batch():
@@ -138,8 +138,8 @@ def test_no_tuning_for_a_vocabulary_shard_or_an_empty_batch():
         raise AssertionError("must not be timed")
 
     base = configs.tiles("sweep", torch.float32, 48)
-    assert autotune.tiles("sweep", torch.zeros(16, 48, device=DEVICE), 300, run, shard=object()) == base
-    assert autotune.tiles("sweep", torch.zeros(0, 48, device=DEVICE), 300, run) == base
+    assert autotune.choose("sweep", torch.zeros(16, 48, device=DEVICE), 300, run, shard=object()) == base
+    assert autotune.choose("sweep", torch.zeros(0, 48, device=DEVICE), 300, run) == base
     assert autotune.chosen() == {}
 
 
@@ -156,7 +156,7 @@ def test_no_tuning_during_cuda_graph_capture():
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        got = autotune.tiles("sweep", hidden, 300, run)
+        got = autotune.choose("sweep", hidden, 300, run)
         x.add_(1)
     assert got == configs.tiles("sweep", torch.bfloat16, 48) and autotune.chosen() == {}
 
@@ -182,7 +182,7 @@ def test_one_candidate_is_not_timed(monkeypatch):
     calls = _count_timings(monkeypatch)
     only = configs.tiles("sweep", torch.float32, 48)
     monkeypatch.setattr(configs, "candidates", lambda role, dtype, h=None, where=None: (only,))
-    assert autotune.tiles("sweep", torch.zeros(16, 48, device=DEVICE), 300, lambda cfg: cfg) == only
+    assert autotune.choose("sweep", torch.zeros(16, 48, device=DEVICE), 300, lambda cfg: cfg) == only
     assert calls == [] and autotune.chosen() == {}
 
 
@@ -231,19 +231,20 @@ def test_the_table_picks_the_chunked_sweep_tiles_by_hidden_size(monkeypatch):
     """The GPU table (read here without a GPU): the chunked sweep's 128 x 128 tiles up to H = 1024,
     its 128 x 256 ones above and for an unknown H (NOTES v32); the other roles one bucket; fp32 its
     one config; and the autotuning candidates keep the other bucket's tiles among them."""
-    from fused_linear_ce import device
+    from fused_linear_ce import archs, device
 
     monkeypatch.setattr(device, "interpreted", lambda: False)
-    small, wide = configs._GPU_CHUNKED_SWEEP_SMALL_H, configs._GPU_CHUNKED_SWEEP
+    sm90 = archs.get("sm90").tables
+    (_, small), (_, wide) = sm90.chunked
     assert (small.block_v, small.num_warps, wide.block_v, wide.num_warps) == (128, 4, 256, 8)
     for h, want in ((640, small), (896, small), (1024, small), (1025, wide), (2048, wide), (4096, wide),
                     (None, wide)):
         assert configs.tiles("chunked", torch.bfloat16, h) == want, h
         assert configs.sweep_config(torch.float16, chunked=True, h=h) == want, h
     for h in (640, 4096, None):
-        assert configs.tiles("sweep", torch.bfloat16, h) == configs._GPU_SWEEP
-        assert configs.tiles("dlogits", torch.bfloat16, h) == configs._GPU_DLOGITS
-        assert configs.tiles("chunked", torch.float32, h) == configs._GPU_SWEEP_FP32
+        assert configs.tiles("sweep", torch.bfloat16, h) == sm90.sweep[0][1]
+        assert configs.tiles("dlogits", torch.bfloat16, h) == sm90.dlogits[0][1]
+        assert configs.tiles("chunked", torch.float32, h) == sm90.sweep_fp32
     shapes = {(c.block_n, c.block_v, c.num_warps) for c in configs.candidates("chunked", torch.bfloat16, 4096)}
     assert {(128, 256, 8), (128, 128, 4)} <= shapes
     shapes = {(c.block_n, c.block_v, c.num_warps) for c in configs.candidates("chunked", torch.bfloat16, 896)}
