@@ -1,6 +1,6 @@
 """docs/development.md is a map: it names every file of the package, of scripts/, of benchmarks/ and
 examples/ and the shared files of tests/; every ``module.name`` it cites in the package exists; and
-its timing of the test command is testing.md's."""
+every duration it quotes is one testing.md states."""
 
 import importlib
 import re
@@ -53,19 +53,12 @@ def test_every_cited_name_exists():
     assert missing == [], "docs/development.md cites names the package does not have"
 
 
-def _test_command_timings(text: str) -> set[str]:
-    """The "~N min" / "~N s" figures of the `bash scripts/test.sh` line (with its comment's continuation)."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(r"bash scripts/test\.sh\s+#", line))
-    block = [lines[start]]
-    for line in lines[start + 1:]:
-        if not re.match(r"\s+#", line):
-            break
-        block.append(line)
-    return set(re.findall(r"~\d+(?:\.\d+)? (?:min|s)\b", "\n".join(block)))
+DURATION = r"~?\d+(?:\.\d+)? (?:min|s)\b"  # "~6 min", "45 s"
 
 
-def test_the_test_commands_timings_are_testing_mds():
+def test_every_timing_is_testing_mds():
+    """The guide quotes only durations that testing.md (where the suite's timings are kept) states."""
     testing = (REPO / "docs" / "testing.md").read_text(encoding="utf-8")
-    ours = _test_command_timings(GUIDE)
-    assert ours and ours == _test_command_timings(testing)
+    ours = set(re.findall(DURATION, GUIDE))
+    assert ours, "the guide gives no timing of the test command"
+    assert sorted(ours - set(re.findall(DURATION, testing))) == []
