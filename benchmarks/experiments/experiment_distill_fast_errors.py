@@ -58,7 +58,7 @@ def main():
         want = None
     del ls, lt
     opts = Options()
-    spec = Spec(beta=beta, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=1 << 40)
+    spec = Spec(beta=beta, student=opts, teacher=opts, reduction="mean")
     counted = torch.ones(n, dtype=torch.int8, device="cuda")
     coef = torch.zeros((2, n), dtype=torch.float32, device="cuda")
     coef[0] = 1.0
@@ -87,7 +87,7 @@ def main():
             print(lines[-1], flush=True)
     import triton.testing
     for b in (1.0, 0.5, 0.0):
-        spec_b = Spec(beta=b, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=1 << 40)
+        spec_b = Spec(beta=b, student=opts, teacher=opts, reduction="mean")
         ms = triton.testing.do_bench(lambda: divergence._launch(
             zs, zt, da, (None, None), None, counted, coef, stats, out, 0, n, spec_b, values=True, write_da=True,
             stats_known=False, dtype=torch.bfloat16), warmup=5, rep=100, return_mode="median")

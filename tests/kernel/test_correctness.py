@@ -44,7 +44,7 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "mean", grad=("bias",), bias=True),
         Case(77, 96, 500, dtype, "none", ignore_index=3, ignored=0.2),
     ]
-# The backward's blocking (configs.plan_passes; CPU tiles 16 x 256): whole plane; token chunks with
+# The backward's blocking (``backward_passes.plan_passes``; CPU tiles 16 x 256): whole plane; token chunks with
 # the V x H accumulator (16-bit: the fallback when no vocabulary block of all rows fits); vocabulary
 # chunks (16-bit: one pass with the N x H accumulator borrowed from grad_weight; fp32: one pass); one
 # pass of vocabulary chunks with the N x H accumulator's extra half in half the budget (72000 bytes,

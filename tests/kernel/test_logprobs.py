@@ -88,7 +88,7 @@ VARIANTS = {  # name: (kwargs, outputs)
 def test_fields_and_gradients_match_float64(dtype, strategy, variant):
     dtype = DTYPES[dtype]
     kwargs, outputs = VARIANTS[variant]
-    if strategy == "chunked" and "softcap" in kwargs:  # not with the entropy (tokens.chunked_unsupported)
+    if strategy == "chunked" and "softcap" in kwargs:  # not with the entropy (plan.exponentials_unsupported)
         outputs = tuple(f for f in outputs if f != "entropy")
     hidden, weight, targets, bias = _inputs(dtype, peaked=True)
     leaves = _leaves(hidden, weight, bias)
