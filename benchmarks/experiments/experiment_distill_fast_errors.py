@@ -3,9 +3,14 @@
 D2 peaked, the step itself three times, the row kernel's da against torch's, and the Triton products
 of da (a view with row stride 2V inside the teacher's fp32 buffer) against cuBLAS on an fp32 copy
 and against the Triton products of a contiguous copy; then the row kernel's time with da for each beta.
-Prints the table last."""
+Prints the table last.
 
-import os
+One GPU call:
+
+    python3 benchmarks/experiments/experiment_distill_fast_errors.py --shape D2 --beta 0
+"""
+
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +28,11 @@ def rel(a, b):
 
 
 def main():
-    shape, beta = os.environ.get("SHAPE", "D2"), float(os.environ.get("BETA", "0"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="D2", choices=list(distill_cases.SHAPES))
+    ap.add_argument("--beta", type=float, default=0.0, help="the divergence's beta (0: forward KL)")
+    args = ap.parse_args()
+    shape, beta = args.shape, args.beta
     torch.backends.cuda.matmul.allow_tf32 = False
     data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
     ref = distill_cases.reference(data, beta)[0]

@@ -116,6 +116,7 @@ def test_num_items_in_batch_divides_the_summed_loss(as_tensor):
         fused_linear_cross_entropy(hidden, weight, targets, reduction="none", num_items_in_batch=3)
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 def test_num_items_in_batch_gradients_on_both_paths(strategy):
     """The divisor is inside the op and is applied to the products (recompute: in fp32, one rounding;
@@ -159,6 +160,7 @@ def test_metric_sums_add_up_across_shards():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.tier
 def test_cuda_graph_capture_and_replay_on_new_data():
     hidden, weight, targets = _problem(b=4, t=64, h=256, v=5000, dtype=torch.bfloat16)
     h = hidden.clone().requires_grad_(True)

@@ -101,6 +101,12 @@ for dtype in DTYPES:
     ]
 
 
+# The GPU tier: the cases that name a path (both paths, every dtype) and the GPU-size cases.
+TIER = pytest.mark.tier_if(
+    lambda case: "strategy" in case.extra or (case.n, case.h, case.v) in ((1000, 512, 50257), (4096, 1024, 32001)))
+
+
+@TIER
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_float64_reference(case):
     check_three_way(case)
@@ -122,6 +128,7 @@ for dtype in DTYPES:
     ]
 
 
+@TIER
 @pytest.mark.parametrize("case", POINTER_CASES, ids=lambda c: c.id)
 def test_pointer_loads_match_float64_reference(case):
     with configs.override(each=lambda cfg: dataclasses.replace(cfg, tma=False)):

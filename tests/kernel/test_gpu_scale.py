@@ -7,7 +7,7 @@ from conftest import ON_GPU, rel_err
 from fused_linear_ce import fused_linear_cross_entropy
 from fused_linear_ce.reference import chunked_linear_cross_entropy
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (realistic sizes)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (realistic sizes)"), pytest.mark.tier]
 
 
 def _inputs(n, h, v, peaked, seed=0):

@@ -14,6 +14,8 @@ import torch
 from conftest import DEVICE, ON_GPU
 from fused_linear_ce import fused_linear_cross_entropy, plan, recompute
 
+pytestmark = pytest.mark.tier  # the GPU tier: every test of this file
+
 H, V, CHUNK = 96, 500, 72000  # two vocabulary blocks of 256 + 244 columns (CPU and GPU tiles: 256 wide)
 
 

@@ -65,6 +65,7 @@ def _mode(opts, n, v, h):
     return plan.plan_loss(opts, n, v, h, torch.bfloat16, (True, True, False)).mode
 
 
+@pytest.mark.tier
 def test_an_fp32_master_weight_at_s1_runs_one_chunk_in_its_gradient():
     """8192 x 4096 x 128256 with an fp32 master weight: 8192 bf16 entries fill a 4096-float row of
     grad_weight exactly, so the whole 2 GiB buffer lives in the 2 GiB gradient; the default 256 MiB
@@ -109,6 +110,7 @@ CASES = [
 ]
 
 
+@pytest.mark.tier_if(lambda case: case.dtype == torch.bfloat16)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_hosted_is_bit_identical_to_the_row_major_chunk(case, slabs):
     """Hosted (class-major in grad_weight, slabs of rows) against one row-major chunk: the same bits
@@ -132,6 +134,7 @@ def test_hosted_is_bit_identical_to_the_row_major_chunk(case, slabs):
             _same(g, whole_grads[key], case.dtype)
 
 
+@pytest.mark.tier
 def test_an_fp32_master_weight_hosts_its_bf16_buffer(slabs):
     """bf16 activations with an fp32 weight under autocast: the bf16 buffer, twice as many tokens as
     a row of fp32 gradient would hold in bf16, in the fp32 gradient; the same bits as one row-major
@@ -300,6 +303,7 @@ def _expected_slab(case, dw_itemsize):
     return case.chunk_bytes // (case.h * dw_itemsize) // 16 * 16
 
 
+@pytest.mark.tier_if(lambda case: case.dtype == torch.bfloat16)
 @pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c.id)
 def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, head, slabs):
     """The first chunk hosted (class-major in grad_weight, its dW a slab at a time through the later
@@ -320,6 +324,7 @@ def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, hea
     check_three_way(case)  # both share the head's products: against float64 as well
 
 
+@pytest.mark.tier
 def test_an_fp32_master_weights_head_is_summed_unscaled_like_its_chunks(head, slabs):
     """An fp32 master weight (bf16 products, every chunk's dW summed unscaled and the factor applied
     once at the end): its head of 2H rows is written unscaled too (scaling it there as well would
@@ -340,6 +345,7 @@ def test_an_fp32_master_weights_head_is_summed_unscaled_like_its_chunks(head, sl
     assert rel_err(grads["hidden"], xx.grad) <= 8e-3
 
 
+@pytest.mark.tier
 def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
     """The long-context default (bf16, grad_weight as a bf16 + 4-bit pair, ``plan.LONG_CONTEXT``;
     its budget stands in for S4's here): the head's slabs start the pair, hi through the buffer and

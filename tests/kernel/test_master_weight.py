@@ -205,6 +205,7 @@ def test_compiles_without_a_graph_break_under_autocast(per_token):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU memory")
+@pytest.mark.tier
 def test_extra_memory_is_the_weight_copy_and_the_chunk():
     """N = 8192, H = 2048, V = 32000, fp32 weight under bf16 autocast, several 32 MiB chunks: the peak
     above the inputs and the fp32 gradients is the bf16 copy of the weight the products read (what

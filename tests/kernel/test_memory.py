@@ -101,6 +101,7 @@ def _bound(chunk_bytes, strategy) -> int:
             + ALLOCATOR_SLACK)
 
 
+@pytest.mark.tier_if(lambda chunk_bytes, strategy: (chunk_bytes, strategy) in ((None, "recompute"), (16 * MiB, "chunked")))
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 @pytest.mark.parametrize("chunk_bytes", [None, 16 * MiB], ids=["default", "16MiB"])
 def test_thousand_calls_do_not_leak_and_peak_within_the_documented_bound(chunk_bytes, strategy):

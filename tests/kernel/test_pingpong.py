@@ -21,6 +21,7 @@ LOG_PROBS = Options(reduction="none", outputs=("log_probs",))  # what a referenc
 SFT = Options(reduction="none", outputs=("log_probs", "entropy", "is_top1"))  # the metrics' sums too
 
 
+@pytest.mark.tier_if(lambda expected: expected)  # the call the rule takes
 @pytest.mark.parametrize("facts, expected", [
     (dict(), True),
     (dict(h=configs.pingpong(1).max_h + 64), False),  # outside the bucket: the Triton sweep is faster there
@@ -86,6 +87,7 @@ def _float64(hidden, weight, targets):
 
 
 @on_hopper
+@pytest.mark.tier_if(lambda dtype: dtype == torch.bfloat16)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n, h, v, splits", [
     (300, 320, 1000, 1),  # ragged rows, K and vocabulary; consumer 1 one tile short
@@ -137,6 +139,7 @@ def test_the_loss_and_the_sums_only_the_triton_sweep_carries_stay_there(opts, mo
 
 
 @on_hopper
+@pytest.mark.tier
 def test_a_vocabulary_shard_and_ignored_blocks(monkeypatch):
     n, h, v = 256, 256, 1100
     hidden, weight, targets = _inputs(n, h, v, torch.bfloat16)
@@ -155,6 +158,7 @@ def test_a_vocabulary_shard_and_ignored_blocks(monkeypatch):
 
 
 @on_hopper
+@pytest.mark.tier
 def test_the_per_token_fields_take_it_forward_and_backward(monkeypatch):
     monkeypatch.delenv("FUSED_LINEAR_CE_PINGPONG", raising=False)
     calls = _spy(monkeypatch)
