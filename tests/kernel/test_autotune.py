@@ -226,20 +226,27 @@ def test_every_loss_variant_is_exact_with_other_tiles(role, shape, options, monk
 
 
 def test_the_table_picks_the_chunked_sweep_tiles_by_hidden_size(monkeypatch):
-    """The GPU table (read here without a GPU): the chunked sweep's 128 x 128 tiles up to H = 1024,
-    its 128 x 256 ones above and for an unknown H (NOTES v32); the other roles one bucket; fp32 its
-    one config; and the autotuning candidates keep the other bucket's tiles among them."""
+    """The GPU table (read here without a GPU) of the running Triton: the chunked sweep's 128 x 128
+    tiles with 4 warps up to H = 1024; above and for an unknown H, 128 x 256 with 8 warps under the
+    Triton sm_90's tables were measured with (NOTES v32), 128 x 128 with 8 warps after it
+    (``configs.NEWER_TRITON_TABLES``); the other roles one bucket; fp32 its one config; and the
+    autotuning candidates keep the other bucket's tiles among them."""
     from fused_linear_ce import device
 
     monkeypatch.setattr(device, "interpreted", lambda: False)
-    small, wide = configs._GPU_CHUNKED_SWEEP_SMALL_H, configs._GPU_CHUNKED_SWEEP
-    assert (small.block_v, small.num_warps, wide.block_v, wide.num_warps) == (128, 4, 256, 8)
+    measured = configs.triton_version() <= configs.MEASURED_TRITON
+    if measured:
+        wide, sweep, wide_shape = configs._GPU_CHUNKED_SWEEP, configs._GPU_SWEEP, (256, 8)
+    else:
+        wide, sweep, wide_shape = configs._SM90_NEWER_TRITON_CHUNKED, configs._SM90_NEWER_TRITON, (128, 8)
+    small = configs._GPU_CHUNKED_SWEEP_SMALL_H
+    assert (small.block_v, small.num_warps, wide.block_v, wide.num_warps) == (128, 4, *wide_shape)
     for h, want in ((640, small), (896, small), (1024, small), (1025, wide), (2048, wide), (4096, wide),
                     (None, wide)):
         assert configs.tiles("chunked", torch.bfloat16, h) == want, h
         assert configs.sweep_config(torch.float16, chunked=True, h=h) == want, h
     for h in (640, 4096, None):
-        assert configs.tiles("sweep", torch.bfloat16, h) == configs._GPU_SWEEP
+        assert configs.tiles("sweep", torch.bfloat16, h) == sweep
         assert configs.tiles("dlogits", torch.bfloat16, h) == configs._GPU_DLOGITS
         assert configs.tiles("chunked", torch.float32, h) == configs._GPU_SWEEP_FP32
     shapes = {(c.block_n, c.block_v, c.num_warps) for c in configs.candidates("chunked", torch.bfloat16, 4096)}

@@ -199,7 +199,9 @@ def test_softcap_with_bias_takes_narrower_chunked_tiles(monkeypatch):
     are wider (``configs.chunked_epilogue``: sm_90's 128 x 256 spill 808 B there, test_arch_matrix.py);
     with either alone, or narrower tables, the tiles stay. In the interpreter with sm_90's tiles: the
     narrowed tiles are the ones launched, and the loss and gradients hold against float64 (bf16 through
-    the package's emulation, as in the module docstring)."""
+    the package's emulation, as in the module docstring). sm_90's measured tables (those of
+    ``configs.MEASURED_TRITON``; a newer Triton's are 128 wide already)."""
+    monkeypatch.setattr(configs, "triton_version", lambda: configs.MEASURED_TRITON)
     wide = configs.family_tiles("chunked", torch.bfloat16, None, "sm90")
     assert wide.block_v == 256
     assert configs.chunked_epilogue(wide, True, True) == configs.TileConfig(**{**vars(wide), "block_v": 128})
