@@ -26,3 +26,8 @@ if ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
     echo "setup_env: installing deepspeed==0.19.8"
     DS_BUILD_OPS=0 "$PYTHON" -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 fi
+# What the tests will run with (docs/testing.md lists the versions tested).
+"$PYTHON" -c "
+import torch, triton
+build = f'CUDA {torch.version.cuda}' if torch.version.cuda else f'ROCm {torch.version.hip}' if torch.version.hip else 'CPU'
+print(f'setup_env: torch {torch.__version__} ({build} build, GPU: {torch.cuda.is_available()}), triton {triton.__version__}')"
