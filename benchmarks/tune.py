@@ -58,47 +58,45 @@ def main():
     mm_ms = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=50, rep=300)
     rows = [dict(name="matmul", ms=mm_ms, tflops=flops / mm_ms / 1e9)]
 
+    # Each variant through ``configs.override`` (every family's table: the one of this GPU is what runs).
+    base_sweep = configs.tiles("sweep", hidden.dtype, h, where=hidden.device)
     sweep_variants = {
-        "base": configs._GPU_SWEEP,
-        "bv256": replace(configs._GPU_SWEEP, block_v=256),
-        "s4": replace(configs._GPU_SWEEP, num_stages=4),
-        "bn64": replace(configs._GPU_SWEEP, block_n=64, num_warps=4),
-        "bh128": replace(configs._GPU_SWEEP, block_h=128, num_stages=3),
+        "base": base_sweep,
+        "bv256": replace(base_sweep, block_v=256),
+        "s4": replace(base_sweep, num_stages=4),
+        "bn64": replace(base_sweep, block_n=64, num_warps=4),
+        "bh128": replace(base_sweep, block_h=128, num_stages=3),
     }
-    base_sweep = configs._GPU_SWEEP
     for name, cfg in sweep_variants.items():
-        configs._GPU_SWEEP = cfg
         try:
-            with torch.no_grad():
+            with torch.no_grad(), configs.override(sweep=cfg):
                 ms = triton.testing.do_bench(lambda: fused_linear_cross_entropy(hidden, weight, targets), warmup=50, rep=300)
                 loss = fused_linear_cross_entropy(hidden, weight, targets)
             rows.append(dict(name=f"fwd/{name}", ms=ms, tflops=flops / ms / 1e9, loss_rel=abs(loss.item() - ref_loss.item()) / ref_loss.item()))
         except Exception as e:  # a config that does not compile is a row, not a crash
             rows.append(dict(name=f"fwd/{name}", error=repr(e)[:200]))
-    configs._GPU_SWEEP = base_sweep
 
+    base_mm = configs.matmul_config(hidden.dtype, where=hidden.device)
     mm_variants = {
-        "base": configs._GPU_MATMUL,
-        "bp256": replace(configs._GPU_MATMUL, block_p=256),
-        "s4": replace(configs._GPU_MATMUL, num_stages=4),
+        "base": base_mm,
+        "bp256": replace(base_mm, block_p=256),
+        "s4": replace(base_mm, num_stages=4),
     }
-    base_mm = configs._GPU_MATMUL
     for name, cfg in mm_variants.items():
-        configs._GPU_MATMUL = cfg
         for chunk in (None, 64 << 20, 1 << 30):
             try:
-                loss, dx, dw = run(chunk)
-                ms = triton.testing.do_bench(lambda: run(chunk), warmup=20, rep=200)
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                run(chunk)
-                extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+                with configs.override(product=cfg):
+                    loss, dx, dw = run(chunk)
+                    ms = triton.testing.do_bench(lambda: run(chunk), warmup=20, rep=200)
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    run(chunk)
+                    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
                 rows.append(dict(name=f"fwdbwd/{name}/chunk={chunk}", ms=ms, tflops=3 * flops / ms / 1e9,
                                  loss_rel=abs(loss.item() - ref_loss.item()) / ref_loss.item(),
                                  dx_rel=rel(dx, ref_dx), dw_rel=rel(dw, ref_dw), peak_mib=extra))
             except Exception as e:
                 rows.append(dict(name=f"fwdbwd/{name}/chunk={chunk}", error=repr(e)[:300]))
-    configs._GPU_MATMUL = base_mm
 
     # Where the time goes: CUDA kernel totals of one forward+backward at the default settings.
     from torch.profiler import ProfilerActivity, profile

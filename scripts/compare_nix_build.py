@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compares a kernel-builder (Nix) build with the committed build/: CI's drift check.
 
-`nix build .#bundle` (genKernelFlakeOutputs) leaves `result/<variant>/...` for every variant, plus
+`nix build .#bundle` (genKernelFlakeOutputs) leaves `result/<variant>/...` for every variant (one per
+build.toml backend: `torch-cuda`, `torch-rocm`), plus
 `result/benchmarks/` (a copy of benchmarks/) and, when the repo has a CARD.md template, `result/CARD.md`.
 For a noarch Triton kernel a variant folder holds the `torch-ext/<module>/` files, `metadata.json`, and
 what kernel-builder generates itself: `_ops.py` (a torch.ops namespace named after the build's git

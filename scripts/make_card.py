@@ -16,6 +16,12 @@ One rewrite is made: a `git clone` of the Hub repo without a branch gets `-b v<v
 lives on the version branch (`kernel-builder upload` and scripts/upload.py put only the card on `main`),
 so a plain clone has no `build/` and nothing to load (`pin_clone_branch`).
 
+One section is added: "Releases" (`releases_section`), the commits of the version branch that
+scripts/upload.py made, newest first, each with the source commit it was built from. That is where a
+user copies the 40-hex commit to pin (`get_kernel(..., revision=...)`, `kernels.lock`). upload.py reads
+the list from the branch's history on the Hub after each upload; without releases (a dry run, the CLI
+below) the section is left out.
+
 Nothing is written into the repo (kernel-builder treats a top-level CARD.md as a template of its own,
 and anything extra under build/ is stale for scripts/sync_build.py).
 
@@ -31,6 +37,8 @@ import json
 import re
 import sys
 import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +55,8 @@ TAGS = (
     "loss",
     "llm-training",
 )
+# The newest releases listed on the card; the version branch's commit history on the Hub lists them all.
+CARD_RELEASES = 10
 _IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # Any link or image target: documents the card links to (docs/design.md, ...) go beside it too.
 _LINK = re.compile(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -108,12 +118,43 @@ def pin_clone_branch(text: str, repo_id: str, version: int) -> str:
     return clone.sub(pin, text)
 
 
-def render_card(repo: Path = REPO) -> str:
-    """The whole card: front matter, README title + introduction, the kept sections, a footer."""
+@dataclass(frozen=True)
+class Release:
+    """One upload to the version branch: `commit` is the Hub commit users pin (40 hex), `source` the
+    commit of this repo it was built from, `date` the day of the upload (UTC, YYYY-MM-DD)."""
+
+    commit: str
+    source: str
+    date: str
+
+
+def releases_section(releases: Sequence[Release], repo_id: str, version: int) -> str:
+    """The card's "Releases" section: the newest `CARD_RELEASES` of `releases` (newest first)."""
+    lines = [
+        "## Releases",
+        "",
+        f"The commits of branch `v{version}`, newest first: `version={version}` follows the branch, a commit "
+        f'is one exact release. Pin one as "Pin it" above shows: `get_kernel("{repo_id}", '
+        'revision="<commit>", ...)`, a `kernels.lock`, or `git checkout <commit>` in a clone.',
+        "",
+        "| date (UTC) | commit (`revision=`) | built from source commit |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r.date} | `{r.commit}` | `{r.source}` |" for r in releases[:CARD_RELEASES]]
+    if len(releases) > CARD_RELEASES:
+        lines += ["", f"Older releases: the commit history of branch `v{version}`."]
+    return "\n".join(lines)
+
+
+def render_card(repo: Path = REPO, releases: Sequence[Release] = ()) -> str:
+    """The whole card: front matter, README title + introduction, the kept sections, the releases
+    (newest first; none: no section), a footer."""
     preamble, sections = card_sections(repo)
     general = _general(repo)
     pin = lambda text: pin_clone_branch(text, general["hub"]["repo-id"], general["version"])  # noqa: E731
     preamble, sections = pin(preamble), [(h, pin(body)) for h, body in sections]
+    if releases:
+        sections.append(("Releases", releases_section(releases, general["hub"]["repo-id"], general["version"])))
     footer = (
         f"<sub>This card is generated from the project README by `scripts/make_card.py`. Version "
         f"{general['version']} of `{general['hub']['repo-id']}` is the Hub branch `v{general['version']}` "

@@ -1,20 +1,25 @@
 #!/usr/bin/env python3
-"""Compiles every configuration the package can launch on a CUDA architecture (sm_90 unless
-``--arch``) without a GPU and reports, per configuration, registers per thread, stack bytes (register
-spills) and shared memory, or the compile error.
+"""Compiles every configuration the package can launch on a GPU target (sm_90 unless ``--arch``: a
+CUDA sm number or an AMD gfx name) without a GPU and reports, per configuration, registers per
+thread, stack bytes (register spills) and shared memory, or the compile error.
 
 Triton compiles for any target offline (``triton.compile`` of an ``ASTSource``; its wheel carries
-ptxas and cuobjdump), so register pressure can be read on a machine without a GPU. NOTES v12: the
-sweep spilled 96 bytes, the dlogits kernel 304 and the chunked sweep 1616 before their epilogues
-were slimmed; ``tests/kernel/test_registers.py`` keeps them at (nearly) none.
+ptxas and cuobjdump, and the AMD backend), so register pressure can be read on a machine without a
+GPU. NOTES v12: the sweep spilled 96 bytes, the dlogits kernel 304 and the chunked sweep 1616 before
+their epilogues were slimmed; ``tests/kernel/test_registers.py`` keeps them at (nearly) none.
 
-Each architecture compiles its family's tables (``configs.FAMILY_TABLES``, ``device.family_of``),
-with TMA tensor descriptors from sm_90 on only (``device.tma_hardware``): below it the same kernels
-with pointer loads and stores, as a launch there builds them.
+Each target compiles its family's tables (the record in ``archs.py`` that declares it), with TMA
+tensor descriptors where the family has them (``archs.Arch.tma``; elsewhere the same kernels with
+pointer loads and stores, as a launch there builds them) and the dot precision a launch there passes
+(``device.input_precision``). On AMD (``GPUTarget("hip", gfx, wave)``) the figures come from the
+amdgcn metadata: ``registers`` the VGPRs a lane, ``agprs`` the accumulation registers,
+``vgpr_spills`` / ``sgpr_spills`` the registers spilled, ``stack`` the scratch bytes a lane, ``shared``
+the LDS a workgroup.
 
 Usage:
     python3 scripts/registers.py            # a table (sm_90)
     python3 scripts/registers.py --arch 80 --json   # one JSON list on stdout, for an A100
+    python3 scripts/registers.py --arch gfx942      # an MI300X
     python3 scripts/registers.py --matmul 128,256,64,8,8,3 128,128,64,8,4,3   # matmul candidates
     python3 scripts/registers.py --unaligned  # without the divisibility hints a launch at real shapes gets
 
@@ -27,13 +32,16 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "torch-ext"))
+
+# Case: tests build their own (test_divergence.py)
+from register_cases import Case, arch_of, cases, matmul_cases, pingpong_cases  # noqa: E402
 
 # Non-constexpr arguments by name: fp32 / int pointers; every other pointer is the input dtype (bf16).
 _FP32_PTRS = {"stats_ptr", "lse_ptr", "coef_ptr", "class_weight_ptr", "dbias_ptr", "scale_ptr", "tile_max_ptr",
@@ -41,288 +49,6 @@ _FP32_PTRS = {"stats_ptr", "lse_ptr", "coef_ptr", "class_weight_ptr", "dbias_ptr
 _INT_PTRS = {"targets_ptr": "*i64", "argmax_ptr": "*i32", "counted_ptr": "*i8"}
 _FLOATS = {"logit_scale", "softcap", "softcap_out", "grad_scale", "scale", "scale_s", "cap_s", "cap_out_s", "chain_s",
            "scale_t", "cap_t", "cap_out_t", "beta", "alpha", "log_a", "log_b"}
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    kernel: str  # attribute of fused_linear_ce.<module>
-    module: str
-    constexprs: dict
-    descriptors: dict  # argument name -> block shape
-    num_warps: int
-    num_stages: int
-    c_dtype: str = "*bf16"  # matmul_kernel's c_ptr
-    lo_dtype: str = "bf16"  # matmul_kernel's lo_ptr / lo_desc element, used when COMPENSATED
-    # Every pointer and integer argument marked divisible by 16, as a launch at the package's shapes
-    # specialises them (16-byte aligned buffers; N, H, V, strides and offsets multiples of 16). Without
-    # the hints a pointer kernel compiles for unaligned accesses: the chunked gradient kernel with 32
-    # registers and 4.5-6 KB of stack, where a real launch gets no spill.
-    divisible: bool = True
-    # Integer arguments that are 1 at the launch (Triton specialises a 1 into a constant): the chunked
-    # buffer's class stride, or its row stride where the buffer is class-major (hosted in grad_weight).
-    unit_strides: tuple = ("stride_ev",)
-    dtype: str = "bf16"  # the element of every other pointer (the input dtype)
-
-
-def family(arch: int) -> str:
-    """The configuration family (``device.family_of``) compiled for sm_<arch>."""
-    from fused_linear_ce import device
-
-    name = device.family_of((arch // 10, arch % 10))
-    if name is None:
-        raise SystemExit(f"sm_{arch}: no configuration family below sm_80 (bf16 unsupported there)")
-    return name
-
-
-def cases(arch: int = 90, tables: str | None = None) -> list[Case]:
-    """Every configuration the package launches on sm_<arch>: its family's tiles (``tables``: another
-    family's, to compare), TMA from sm_90 on."""
-    import torch
-
-    from fused_linear_ce import configs
-
-    fam = tables or family(arch)
-    tma = arch >= 90
-    bf16 = torch.bfloat16
-    sweep, chunked = configs.family_tiles("sweep", bf16, None, fam), configs.family_tiles("chunked", bf16, None, fam)
-    small = configs.family_tiles("chunked", bf16, 1024, fam)
-    mm = configs.family_matmul(bf16, "product", fam)
-    pr = configs.family_matmul(bf16, "paired_rows", fam)
-    comp = configs.family_matmul(bf16, "compensated", fam)
-    dlogits = configs.family_tiles("dlogits", bf16, None, fam)
-    logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
-                 INPUT_PRECISION="tf32", TMA=tma)
-    forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, BLOCK_N=sweep.block_n,
-                   BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False, E_T=False, GROUP_M=0,
-                   SKIP_IGNORED=True)
-
-    def d(**blocks):
-        """Descriptor arguments where the target has TMA; pointers (no descriptors) below sm_90."""
-        return blocks if tma else {}
-
-    descs = d(hidden_desc=(sweep.block_n, sweep.block_h), weight_desc=(sweep.block_v, sweep.block_h))
-    backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, BLOCK_N=dlogits.block_n,
-                    BLOCK_V=dlogits.block_v, BLOCK_H=dlogits.block_h, GROUP_M=dlogits.group_m)
-    dlogits_descs = d(hidden_desc=(dlogits.block_n, dlogits.block_h), weight_desc=(dlogits.block_v, dlogits.block_h))
-    matmul = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
-                  GROUP_M=mm.group_m, EVEN_M=True, EVEN_P=True, EVEN_K=True, BF16_EMULATION=False,
-                  INPUT_PRECISION="tf32", TMA=tma, B_T=False, COMPENSATED=False, C_TMA=mm.c_tma and tma,
-                  SPLIT_PAIR=False, SPLIT_K=1)
-    # A plain contiguous result through a descriptor where the shipped config says (``c_tma``); a
-    # strided one always through pointers ("matmul, pointers").
-    c_desc = d(c_desc=(mm.block_m, mm.block_p), lo_desc=(mm.block_m, mm.block_p)) if mm.c_tma else {}
-
-    def mm_case(name, cfg, extra, descs_, c_dtype="*bf16", lo_dtype="bf16", dtype="bf16"):
-        return Case(name, "matmul_kernel", "gemm",
-                    dict(matmul, BLOCK_M=cfg.block_m, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                         **extra), descs_, cfg.num_warps, cfg.num_stages, c_dtype=c_dtype, lo_dtype=lo_dtype,
-                    dtype=dtype)
-
-    def pair(name, cfg, A_T, lo_dtype="bf16"):
-        """A product summed into a compensated pair (through descriptors where the target has TMA) at
-        ``cfg``, its epilogue on column halves where ``cfg.split_pair`` says, as ``gemm.matmul``
-        launches it."""
-        c_block = (cfg.block_m, cfg.block_p // 2 if cfg.split_pair else cfg.block_p)
-        lo_block = (c_block[0], c_block[1] // 2) if lo_dtype == "u8" else c_block  # 4-bit: two a byte
-        a_desc = (cfg.block_k, cfg.block_m) if A_T else (cfg.block_m, cfg.block_k)
-        return mm_case(name, cfg, dict(A_T=A_T, ACCUMULATE=True, COMPENSATED=True, C_TMA=tma,
-                                       SPLIT_PAIR=cfg.split_pair and tma),
-                       d(a_desc=a_desc, b_desc=(cfg.block_k, cfg.block_p), c_desc=c_block, lo_desc=lo_block),
-                       lo_dtype=lo_dtype)
-
-    def gradient(name, entropy_grad, bias_grad, rows=None, warps=None, class_major=False, cfg=chunked):
-        """The chunked path's in-place gradient kernel (pointer loads) as ``chunked.gradient_in_place``
-        launches it: the sweep's vocabulary tiles, ``gradient_rows`` / ``gradient_warps`` unless given."""
-        from fused_linear_ce import chunked as chunked_module
-
-        rows = rows or chunked_module.gradient_rows(cfg, entropy_grad)
-        warps = warps or chunked_module.gradient_warps(cfg, entropy_grad)  # never interpreted here
-        return Case(name, "softmax_gradient_kernel", "chunked",
-                    dict(HAS_SOFTCAP=False, SMOOTHING=False, ENTROPY_GRAD=entropy_grad, HAS_CLASS_WEIGHT=False,
-                         BIAS_GRAD=bias_grad, BLOCK_N=rows, BLOCK_V=chunked_module.gradient_cols(cfg),
-                         STATS_V=cfg.block_v, BF16_EMULATION=False),
-                    {}, warps, 1, unit_strides=("stride_e",) if class_major else ("stride_ev",))
-
-    def chunked_sweep(name, cfg=chunked, **extra):
-        """The chunked path's sweep (STORE_E, its exponentials through a descriptor where the target
-        has TMA, over the buffer's transpose with E_T) at ``cfg``'s tiles on a ragged V, as
-        ``sweep._triton_sweep`` launches it."""
-        e_block = (cfg.block_v, cfg.block_n) if extra.get("E_T") else (cfg.block_n, cfg.block_v)
-        return Case(name, "lse_sweep_kernel", "sweep_kernels",
-                    dict(forward, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_V=False,
-                         STORE_E=True, GROUP_M=cfg.group_m, **extra,
-                         E_TMA=tma and (not extra.get("E_T") or configs.transposed_store_tma(fam))),
-                    d(hidden_desc=(cfg.block_n, cfg.block_h), weight_desc=(cfg.block_v, cfg.block_h),
-                      **({} if extra.get("E_T") and not configs.transposed_store_tma(fam) else dict(e_desc=e_block))),
-                    cfg.num_warps, cfg.num_stages,
-                    unit_strides=("stride_e",) if extra.get("E_T") else ("stride_ev",))
-
-    def sweep_case(name, **extra):
-        return Case(name, "lse_sweep_kernel", "sweep_kernels", dict(forward, **extra), descs, sweep.num_warps,
-                    sweep.num_stages)
-
-    def dlogits_case(name, **extra):
-        return Case(name, "dlogits_kernel", "recompute", dict(backward, **extra), dlogits_descs, dlogits.num_warps,
-                    dlogits.num_stages)
-
-    a_t_descs = d(a_desc=(mm.block_k, mm.block_m), b_desc=(mm.block_k, mm.block_p))
-    a_descs = d(a_desc=(mm.block_m, mm.block_k), b_desc=(mm.block_k, mm.block_p))
-    out = [
-        sweep_case("sweep"),
-        sweep_case("sweep, ragged V", EVEN_V=False),
-        sweep_case("sweep, metrics", METRICS=True),
-        sweep_case("sweep, metrics, ragged V", METRICS=True, EVEN_V=False),
-        chunked_sweep("chunked sweep"),
-        chunked_sweep("chunked sweep, class-major", E_T=True),
-        chunked_sweep("chunked sweep, H <= 1024", cfg=small),
-        chunked_sweep("chunked sweep, metrics", METRICS=True),
-        chunked_sweep("chunked sweep, softcap and bias", configs.chunked_epilogue(chunked, True, True), HAS_SOFTCAP=True,
-                      HAS_BIAS=True),
-        sweep_case("sweep, every per-token field", METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False),
-        dlogits_case("dlogits", HAS_BIAS=False, BIAS_GRAD=False),
-        dlogits_case("dlogits, bias gradient", HAS_BIAS=True, BIAS_GRAD=True),
-        dlogits_case("dlogits, entropy gradient", ENTROPY_GRAD=True, HAS_BIAS=False, BIAS_GRAD=False),
-        mm_case("matmul, da^T", mm, dict(A_T=True), dict(a_t_descs, **c_desc)),
-        mm_case("matmul", mm, dict(A_T=False), dict(a_descs, **c_desc)),
-        mm_case("matmul, da^T, fp32 sum", mm, dict(A_T=True, ACCUMULATE=True), dict(a_t_descs, **c_desc),
-                c_dtype="*fp32"),
-        mm_case("matmul, pointers", mm, dict(A_T=False, C_TMA=False), a_descs),
-        # grad_hidden's K reduction in two halves added into fp32 by atomics (``gemm.split_k``)
-        mm_case("matmul, split K", mm, dict(A_T=False, C_TMA=tma, HAS_SCALE=False, SPLIT_K=2),
-                dict(a_descs, **d(c_desc=(mm.block_m, mm.block_p // 2))), c_dtype="*fp32"),
-        pair("matmul, da^T, compensated", comp, A_T=True),
-        pair("matmul, da^T, compensated int8", comp, A_T=True, lo_dtype="i8"),
-        pair("matmul, da^T, compensated 4-bit", comp, A_T=True, lo_dtype="u8"),
-        pair("matmul, compensated int8", comp, A_T=False, lo_dtype="i8"),
-        pair("matmul, paired rows", pr, A_T=False, lo_dtype="i8"),
-        gradient("chunked gradient", entropy_grad=False, bias_grad=False),
-        gradient("chunked gradient, class-major", entropy_grad=False, bias_grad=False, class_major=True),
-        gradient("chunked gradient, class-major, bias gradient", entropy_grad=False, bias_grad=True, class_major=True),
-        gradient("chunked gradient, bias gradient", entropy_grad=False, bias_grad=True),
-        gradient("chunked gradient, entropy gradient", entropy_grad=True, bias_grad=False),
-        gradient("chunked gradient, entropy and bias gradients", entropy_grad=True, bias_grad=True),
-        gradient("chunked gradient, H <= 1024", entropy_grad=False, bias_grad=False, cfg=small),
-    ]
-    if tma:  # the pointer fallbacks of layouts TMA cannot take (reported, not held); below sm_90 the above
-        out += [
-            pair("matmul, compensated int8, unsplit", dataclasses.replace(comp, split_pair=False), A_T=False,
-                 lo_dtype="i8"),
-            gradient("chunked gradient, entropy gradient, the sweep's rows", entropy_grad=True, bias_grad=False,
-                     rows=chunked.block_n, warps=8),
-            mm_case("matmul, da^T, compensated, pointers", comp,
-                    dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=False),
-                    d(a_desc=(comp.block_k, comp.block_m), b_desc=(comp.block_k, comp.block_p))),
-        ]
-    return out + fp32_cases() + divergence_cases(fam)
-
-
-def fp32_cases() -> list[Case]:
-    """fp32 inputs: one configuration of each kernel on every family, pointer loads (``configs``)."""
-    from fused_linear_ce import configs
-
-    sw, mm = configs._GPU_SWEEP_FP32, configs._GPU_MATMUL_FP32
-    logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_N=sw.block_n, BLOCK_V=sw.block_v, BLOCK_H=sw.block_h,
-                 EVEN_H=True, BF16_EMULATION=False, INPUT_PRECISION="tf32", TMA=False, GROUP_M=sw.group_m)
-    forward = dict(logit, METRICS=True, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, EVEN_V=False,
-                   STORE_E=False, E_TMA=False, E_T=False, SKIP_IGNORED=True)
-    backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, HAS_BIAS=True,
-                    BIAS_GRAD=True)
-    matmul = dict(ACCUMULATE=True, HAS_SCALE=True, BLOCK_M=mm.block_m, BLOCK_P=mm.block_p, BLOCK_K=mm.block_k,
-                  GROUP_M=mm.group_m, EVEN_M=False, EVEN_P=False, EVEN_K=False, BF16_EMULATION=False,
-                  INPUT_PRECISION="tf32", TMA=False, A_T=True, B_T=False, COMPENSATED=False, C_TMA=False,
-                  SPLIT_PAIR=False, SPLIT_K=1)
-    return [
-        Case("fp32 sweep, metrics", "lse_sweep_kernel", "sweep_kernels", forward, {}, sw.num_warps, sw.num_stages,
-             dtype="fp32"),
-        Case("fp32 chunked sweep", "lse_sweep_kernel", "sweep_kernels", dict(forward, STORE_E=True), {},
-             sw.num_warps, sw.num_stages, dtype="fp32"),
-        Case("fp32 dlogits, bias gradient", "dlogits_kernel", "recompute", backward, {}, sw.num_warps,
-             sw.num_stages, dtype="fp32"),
-        Case("fp32 matmul, da^T, sum", "matmul_kernel", "gemm", matmul, {}, mm.num_warps, mm.num_stages,
-             c_dtype="*fp32", dtype="fp32"),
-    ]
-
-
-def divergence_cases(fam: str) -> list[Case]:
-    """The divergence's row kernel at each of its launches (``configs.DIVERGENCE_ROW_LAUNCHES``), in
-    its largest programs (the JSD with both biases, softcaps, targets, values and da) and the
-    forward KL's da pass alone."""
-    from fused_linear_ce import configs
-    from fused_linear_ce.divergence_kernel import FORWARD_KL, JSD
-
-    base = dict(HAS_BIAS_S=True, HAS_BIAS_T=True, SOFTCAP_S=True, SOFTCAP_T=True, HAS_TARGETS=True,
-                STATS_KNOWN=False, VALUES=True, WRITE_DA=True, DIV_GRAD=True, BLOCK_N=1, BF16_EMULATION=False)
-    out = []
-    for _most, block_v, warps in configs.divergence_launches(fam):
-        out.append(Case(f"divergence rows {block_v} / {warps} warps, JSD", "divergence_row_kernel",
-                        "divergence_kernel", dict(base, MODE=JSD.value, BLOCK_V=block_v), {}, warps, 1))
-        out.append(Case(f"divergence rows {block_v} / {warps} warps, forward KL da", "divergence_row_kernel",
-                        "divergence_kernel", dict(base, MODE=FORWARD_KL.value, BLOCK_V=block_v, HAS_BIAS_S=False,
-                                                  HAS_BIAS_T=False, SOFTCAP_S=False, SOFTCAP_T=False,
-                                                  STATS_KNOWN=True, VALUES=False), {}, warps, 1))
-    return out
-
-
-# The matmul's uses, for ``--matmul``: (constexprs, A read through its transpose, c's and lo's dtypes).
-_MATMUL_USES = {
-    "plain": (dict(A_T=False), False, "*bf16", "bf16"),
-    "da^T": (dict(A_T=True), True, "*bf16", "bf16"),
-    "da^T, fp32 sum": (dict(A_T=True, ACCUMULATE=True), True, "*fp32", "bf16"),
-    "plain, C_TMA": (dict(A_T=False, C_TMA=True), False, "*bf16", "bf16"),
-    "da^T, C_TMA": (dict(A_T=True, C_TMA=True), True, "*bf16", "bf16"),
-    "da^T, fp32 sum, C_TMA": (dict(A_T=True, ACCUMULATE=True, C_TMA=True), True, "*fp32", "bf16"),
-    "da^T, compensated int8": (dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True), True, "*bf16", "i8"),
-    "compensated int8": (dict(A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True), False, "*bf16", "i8"),
-    "da^T, compensated int8, split": (dict(A_T=True, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
-                                      True, "*bf16", "i8"),
-    "compensated int8, split": (dict(A_T=False, ACCUMULATE=True, COMPENSATED=True, C_TMA=True, SPLIT_PAIR=True),
-                                False, "*bf16", "i8"),
-}
-
-
-def matmul_cases(spec: str, arch: int = 90) -> list[Case]:
-    """The matmul's uses (``_MATMUL_USES``) at a candidate config
-    ``block_m,block_p,block_k,group_m,num_warps,num_stages`` (``experiment_matmul_configs.py``)."""
-    bm, bp, bk, gm, warps, stages = (int(x) for x in spec.split(","))
-    base = dict(ACCUMULATE=False, HAS_SCALE=True, BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, GROUP_M=gm, EVEN_M=True,
-                EVEN_P=True, EVEN_K=True, BF16_EMULATION=False, INPUT_PRECISION="tf32", TMA=arch >= 90, B_T=False,
-                COMPENSATED=False, C_TMA=False, SPLIT_PAIR=False, SPLIT_K=1)
-    out = []
-    for use, (extra, a_t, c_dtype, lo_dtype) in _MATMUL_USES.items():
-        if arch < 90:  # no TMA: every operand and result through pointers
-            if extra.get("C_TMA"):
-                extra = dict(extra, C_TMA=False, SPLIT_PAIR=False)
-            out.append(Case(f"matmul {bm}x{bp}x{bk} w{warps} s{stages}, {use}", "matmul_kernel", "gemm",
-                            dict(base, **extra), {}, warps, stages, c_dtype=c_dtype, lo_dtype=lo_dtype))
-            continue
-        descs = dict(a_desc=(bk, bm) if a_t else (bm, bk), b_desc=(bk, bp))
-        c_block = (bm, bp // 2 if extra.get("SPLIT_PAIR") else bp)
-        if extra.get("C_TMA"):
-            descs.update(c_desc=c_block)
-        if extra.get("COMPENSATED"):
-            descs.update(lo_desc=c_block)
-        out.append(Case(f"matmul {bm}x{bp}x{bk} w{warps} s{stages}, {use}", "matmul_kernel", "gemm",
-                        dict(base, **extra), descs, warps, stages, c_dtype=c_dtype, lo_dtype=lo_dtype))
-    return out
-
-
-def pingpong_cases() -> list[Case]:
-    """The Hopper ping-pong sweep (``pingpong.py``, Gluon) at its shipped config, where this Triton
-    has Gluon: skipping wholly ignored row blocks (the per-token default) and not (a returned lse)."""
-    from fused_linear_ce import configs, pingpong
-
-    if not pingpong.HAVE_GLUON:
-        return []
-    cfg = configs.pingpong(2048)
-    descs = {"h_desc": [cfg.block_n, cfg.block_k], "w_desc": [cfg.block_v, cfg.block_k]}
-    base = dict(STAGES=cfg.stages, SKIP_IGNORED=True, CONSUMER_REGS=cfg.consumer_regs,
-                LOADER_REGS=cfg.loader_regs, num_warps=4)
-    base = dict(base, METRICS=False)
-    return [Case("pingpong sweep", "pingpong_sweep_kernel", "pingpong", base, descs, 4, 1),
-            Case("pingpong sweep, metrics", "pingpong_sweep_kernel", "pingpong", dict(base, METRICS=True), descs, 4, 1),
-            Case("pingpong sweep, every block", "pingpong_sweep_kernel", "pingpong", dict(base, SKIP_IGNORED=False),
-                 descs, 4, 1)]
 
 
 def _gluon_descriptor_type(shape) -> str:
@@ -381,8 +107,8 @@ def config_text(case: Case) -> str:
     return f"{blocks} warps={case.num_warps} stages={case.num_stages}"
 
 
-def compile_all(chosen: list[Case], arch: int) -> list[dict]:
-    """``compile_case`` of each case for sm_<arch>, each distinct configuration compiled once; a
+def compile_all(chosen: list[Case], target: str) -> list[dict]:
+    """``compile_case`` of each case for ``target``, each distinct configuration compiled once; a
     compile error becomes the row's ``error``."""
     import tempfile
 
@@ -393,11 +119,11 @@ def compile_all(chosen: list[Case], arch: int) -> list[dict]:
             key = case_key(case)
             if key not in done:
                 try:
-                    done[key] = compile_case(case, Path(tmp), arch)
+                    done[key] = compile_case(case, Path(tmp), target)
                 except Exception as exc:  # reported per configuration: the matrix says which fail and why
                     lines = [line for line in str(exc).splitlines() if line.strip()]
                     done[key] = dict(error=f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300])
-            rows.append(dict(name=case.name, arch=arch, config=config_text(case), **done[key]))
+            rows.append(dict(name=case.name, arch=target, config=config_text(case), **done[key]))
     return rows
 
 
@@ -414,8 +140,9 @@ def unit_strides(case: Case) -> tuple:
     return ("stride_t",)
 
 
-def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
-    """{registers, stack, shared} of ``case`` compiled for sm_<arch>."""
+def compile_case(case: Case, workdir: Path, target: str | int = "90") -> dict:
+    """{registers, stack, shared} of ``case`` compiled for ``target`` (a CUDA sm number or a gfx
+    name; ``amd_usage`` adds AMD's own figures)."""
     import importlib
 
     import triton
@@ -424,6 +151,7 @@ def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
 
     from fused_linear_ce import configs
 
+    arch = arch_of(str(target))
     fn = getattr(importlib.import_module(f"fused_linear_ce.{case.module}"), case.kernel)
     # A launch specialises an integer argument of 1 into a constant: the buffers' unit strides.
     units = {arg: 1 for arg in case.unit_strides + unit_strides(case) if arg in fn.arg_names}
@@ -442,7 +170,10 @@ def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
                         constexprs={(fn.arg_names.index(k),): v for k, v in case.constexprs.items()})
         options = dict(num_warps=case.num_warps, num_stages=case.num_stages,
                        enable_fp_fusion=configs.fp_fusion(None))
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    if arch.backend == "rocm":
+        compiled = triton.compile(src, target=GPUTarget("hip", str(target), arch.wave), options=options)
+        return amd_usage(compiled)
+    compiled = triton.compile(src, target=GPUTarget("cuda", int(target), 32), options=options)
     cubin = workdir / "kernel.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -452,28 +183,53 @@ def compile_case(case: Case, workdir: Path, arch: int = 90) -> dict:
     return dict(registers=int(fields["REG"]), stack=int(fields["STACK"]), shared=int(compiled.metadata.shared))
 
 
-ARCHS = (80, 86, 89, 90, 100, 103, 120)  # the portability matrix (tests/kernel/test_arch_matrix.py)
+def amd_usage(compiled) -> dict:
+    """An AMD compile's figures from the ``.amdgpu_metadata`` block of its amdgcn: VGPRs
+    (``registers``), AGPRs, VGPRs spilled to scratch, SGPRs spilled (into VGPR lanes, no scratch),
+    scratch bytes a lane (``stack``), and the LDS the kernel takes (``shared``: Triton's plan,
+    launched as dynamic LDS, plus any static)."""
+    asm = compiled.asm["amdgcn"]
+
+    def field(key):
+        found = re.findall(rf"\.{key}:\s+(\d+)", asm)
+        return int(found[0]) if found else 0
+
+    return dict(registers=field("vgpr_count"), agprs=field("agpr_count"), vgpr_spills=field("vgpr_spill_count"),
+                sgpr_spills=field("sgpr_spill_count"), stack=field("private_segment_fixed_size"),
+                shared=int(compiled.metadata.shared) + field("group_segment_fixed_size"))
+
+
+def matrix_targets(backend: str) -> tuple:
+    """The targets the portability matrix (tests/kernel/test_arch_matrix.py) compiles for ``backend``:
+    each family's ``matrix`` targets (every CUDA one metadata.json declares), CUDA's as sm numbers."""
+    from fused_linear_ce import archs
+
+    if backend == "cuda":
+        return tuple(t.replace(".", "") for arch in archs.of_backend("cuda") for t in arch.matrix)
+    return tuple(t for arch in archs.of_backend("rocm") for t in arch.matrix)
 
 
 def arch_rows(job) -> list[dict]:
-    """The rows of one architecture: ``job`` is (arch, tables, matmul specs or None, unaligned)."""
-    arch, tables, matmul, unaligned = job
+    """The rows of one target: ``job`` is (target, tables, matmul specs or None, unaligned)."""
+    target, tables, matmul, unaligned = job
     if matmul:
-        chosen = [c for spec in matmul for c in matmul_cases(spec, arch)]
+        chosen = [c for spec in matmul for c in matmul_cases(spec, target)]
     else:
-        chosen = cases(arch, tables) + (pingpong_cases() if arch == 90 else [])
+        arch = arch_of(target)
+        chosen = cases(target, tables) + (pingpong_cases() if arch.pingpong and arch.backend == "cuda" else [])
     if unaligned:
         chosen = [dataclasses.replace(c, divisible=False) for c in chosen]
-    return compile_all(chosen, arch)
+    return compile_all(chosen, target)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--arch", type=int, nargs="+", default=[90], metavar="SM",
-                    help=f"compile for sm_<SM>, one or more (the matrix: {', '.join(map(str, ARCHS))}); default 90")
-    ap.add_argument("--tables", metavar="FAMILY", help="compile this family's tables (configs.FAMILY_TABLES) "
-                    "instead of the architecture's own, e.g. --arch 80 --tables sm90 for what sm_90's would do there")
+    ap.add_argument("--arch", nargs="+", default=["90"], metavar="TARGET",
+                    help="compile for a CUDA sm number or an AMD gfx name, one or more (the matrix: "
+                    f"{', '.join(matrix_targets('cuda') + matrix_targets('rocm'))}); default 90")
+    ap.add_argument("--tables", metavar="FAMILY", help="compile this family's tables (archs.ARCHS) instead of "
+                    "the target's own, e.g. --arch 80 --tables sm90 for what sm_90's would do there")
     ap.add_argument("--matmul", nargs="+", metavar="BM,BP,BK,GM,WARPS,STAGES",
                     help="instead of the shipped kernels: the matmul's uses at these candidate configs")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -499,7 +255,8 @@ def main(argv=None) -> int:
         return 0
     width = max(len(r["name"]) for r in rows)
     for arch in args.arch:
-        print(f"{f'kernel (sm_{arch})':{width}s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}  config")
+        label = arch if arch.startswith("gfx") else f"sm_{arch}"
+        print(f"{f'kernel ({label})':{width}s} {'registers':>9s} {'stack B':>8s} {'shared KB':>9s}  config")
         for r in (r for r in rows if r["arch"] == arch):
             if "error" in r:
                 print(f"{r['name']:{width}s} {r['error']}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The portability matrix (tests/kernel/test_arch_matrix.py) under another Triton than the installed
-# one: a venv that sees this machine's packages (torch, pytest) with only Triton replaced, then the
-# matrix test run there. No GPU needed.
+# The portability matrix (tests/kernel/test_arch_matrix.py: the CUDA and the AMD targets) under another
+# Triton than the installed one: a venv that sees this machine's packages (torch, pytest) with only
+# Triton replaced, then the matrix test run there (extra arguments go to pytest: `-k amd` for the AMD
+# targets alone). No GPU needed.
 #
 #   bash scripts/registers_matrix.sh            # Triton 3.9.0, the newest release
 #   TRITON_VERSION=3.8.0 bash scripts/registers_matrix.sh

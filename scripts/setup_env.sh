@@ -18,14 +18,18 @@ if ! "$PYTHON" -c "import triton" >/dev/null 2>&1; then
     echo "setup_env: installing triton==3.6.0"
     "$PYTHON" -m pip install -q "triton==3.6.0"
 fi
-"$PYTHON" -m pip install -q -r requirements-test.txt
 # tests/integrations/test_zero3.py: DeepSpeed (ZeRO-3 on its CPU accelerator), pinned. Its PyPI release is an
 # sdist whose isolated build would download a CUDA torch (several GB): built against the torch installed
 # above, without its C++/CUDA ops (the tests use none; DeepSpeed JIT-builds an op only when one is used).
+# Built before kernels is installed: kernels 0.17.0 registers a setuptools egg_info writer from a module
+# it does not ship (`kernels.lockfile`), so any build without isolation fails in an environment holding
+# it ("No module named 'kernels.lockfile'"); the requirements below install kernels again.
 if ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
     echo "setup_env: installing deepspeed==0.19.8"
-    DS_BUILD_OPS=0 "$PYTHON" -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+    "$PYTHON" -m pip uninstall -q -y kernels >/dev/null 2>&1 || true
+    DS_BUILD_OPS=0 "$PYTHON" -m pip install -q --no-build-isolation -c requirements-test.txt "deepspeed==0.19.8"
 fi
+"$PYTHON" -m pip install -q -r requirements-test.txt
 # What the tests will run with (docs/testing.md lists the versions tested).
 "$PYTHON" -c "
 import torch, triton

@@ -1,24 +1,31 @@
 #!/usr/bin/env python3
-"""Regenerates `build/torch-cuda/` (the noarch Triton variant the `kernels` loader imports) from sources.
+"""Regenerates `build/torch-cuda/` and `build/torch-rocm/` (the noarch Triton variants the `kernels`
+loader imports) from sources.
 
-What `kernel-builder` does for a noarch Triton kernel, without Nix:
+What `kernel-builder` does for a noarch Triton kernel, without Nix, for each backend of build.toml's
+`[general] backends` (variant `torch-<backend>`):
 
-* every `torch-ext/fused_linear_ce/*.py` is copied flat and byte-identical into `build/torch-cuda/`;
-* the compatibility package `build/torch-cuda/fused_linear_ce/__init__.py` (`COMPAT_INIT`) is written
+* every `torch-ext/fused_linear_ce/*.py` is copied flat and byte-identical into the variant folder
+  (the same sources for every backend: the package picks its tiles from the GPU at run time);
+* the compatibility package `<variant>/fused_linear_ce/__init__.py` (`COMPAT_INIT`) is written
   for older `kernels` loaders, which import `<variant>/<python name>/__init__.py`: it imports the flat
   variant package one level up and re-exports its public names (kernel-requirements.md: "must contain
   an `__init__.py` file that exports the same symbols"; kernel-builder generates its own);
-* `build/torch-cuda/metadata.json` is the top-level `metadata.json` (the single hand-edited source of
-  the kernel's metadata) with `id` set to `_<python name>_<backend>_<7 hex>`, the hex being the start of
-  a SHA-256 over the sorted source file names and contents (`source_digest`), and `digest` set to the
-  variant's file digest (`variant_digest`). The loader imports the variant under that id, so a changed
-  source gives a new module name;
-* `build/torch-cuda/symbols.json` lists the public functions (`__all__`) and layers (`layers.__all__`)
+* `<variant>/metadata.json` is the top-level `metadata.json` (the single hand-edited source of the
+  kernel's other metadata) with `backend` set to `{"type": <backend>, "archs": <declared archs>}`,
+  `id` set to `_<python name>_<backend>_<7 hex>`, the hex being the start of a SHA-256 over the sorted
+  source file names and contents (`source_digest`), and `digest` set to the variant's file digest
+  (`variant_digest`). The loader imports the variant under that id, so a changed source gives a new
+  module name, and each backend's build has its own;
+* the declared archs come from the package's architecture record, `torch-ext/fused_linear_ce/archs.py`
+  (`declared(backend)`: CUDA capabilities such as "9.0", ROCm gfx names such as "gfx942"), loaded by
+  file path without torch (`declared_archs`); kernels 0.19 refuses a GPU they do not cover;
+* `<variant>/symbols.json` lists the public functions (`__all__`) and layers (`layers.__all__`)
   for `kernels describe-api`, in kernel-builder's schema (`scripts/symbols.py`, which imports the staged
   variant in a child process under the build id); it is one of the variant's files, so the digest
   covers it and `--check` compares it;
-* the top-level `metadata.json` carries the same `id` and `digest`, written back here, so that it stays a
-  fully valid metadata file for `kernels` (see docs) and both files are byte-identical.
+* the top-level `metadata.json` is the CUDA variant's (`ROOT_BACKEND`), written back here, so that it
+  stays a fully valid metadata file for `kernels` (see docs) and both files are byte-identical.
 
 The `digest` (required by kernels' kernel-requirements.md since 0.17) is computed with kernels' own
 hashing, `kernels._rust.Digest.hash_variant(DigestAlgorithm.SHA256, <variant folder>)`, the call
@@ -37,31 +44,39 @@ Usage:
     python3 scripts/sync_build.py            # rewrite what differs, print what changed
     python3 scripts/sync_build.py --check    # write nothing; list differences, exit 1 if any
 
-As a module (tests load it by path): `expected_files()`, `check()`, `sync()`, `kernel_id()`,
-`variant_digest()`, `hash_variant()`, `symbols_json()`, `COMPAT_INIT`.
+As a module (tests load it by path): `expected_files()`, `check()`, `sync()`, `backends()`,
+`declared_archs()`, `variant_metadata()`, `kernel_id()`, `variant_digest()`, `hash_variant()`,
+`symbols_json()`, `COMPAT_INIT`.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import tomllib
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "fused_linear_ce"
 SOURCE_DIR = Path("torch-ext") / PACKAGE  # relative to the repo root
 BUILD_DIR = Path("build")
-VARIANT = "torch-cuda"
-VARIANT_DIR = BUILD_DIR / VARIANT
+BUILD_TOML = Path("build.toml")
 METADATA = Path("metadata.json")
+ARCHS_MODULE = "archs"  # torch-ext/fused_linear_ce/archs.py: the architecture record, stdlib only
+# The backend whose variant metadata is also the top-level metadata.json, the file kernels reads when it
+# takes a clone's root as a variant.
+ROOT_BACKEND = "cuda"
 ID_HEX_DIGITS = 7  # kernels' convention for ids (`_<name>_<backend>_<7 hex>`)
-# Keys the loader's parser requires besides `id` (checked here so a typo fails before the loader).
-REQUIRED_KEYS = ("name", "version", "license", "python-depends", "backend")
+# Keys the loader's parser requires besides `id` and `backend` (which are written here), checked so
+# that a typo fails before the loader.
+REQUIRED_KEYS = ("name", "version", "license", "python-depends")
 DIGEST_ALGORITHM = "SHA256"  # kernels._rust.DigestAlgorithm member; written as "sha256"
 # Files `Digest.hash_variant` leaves out of a variant's digest (checked by tests/packaging/test_publish.py).
 DIGEST_EXCLUDED = ("metadata.json", "metadata.json.sigstore")
@@ -69,7 +84,7 @@ SYMBOLS = "symbols.json"  # what `kernels describe-api` (0.19+) reads from the v
 SYMBOLS_SCRIPT = Path(__file__).resolve().with_name("symbols.py")
 _symbols_cache: dict[str, bytes] = {}  # staged variant digest -> symbols.json, one import per content
 
-# The nested compatibility package, `build/torch-cuda/<python name>/__init__.py`. It is imported by
+# The nested compatibility package, `build/<variant>/<python name>/__init__.py`. It is imported by
 # older loaders as a package of its own (under whatever name they choose), one folder below the flat
 # modules, so a relative import cannot reach them: it loads the flat variant package by path, as a
 # subpackage of itself (its relative imports `from .ops import ...` then resolve in the variant
@@ -140,7 +155,7 @@ def source_digest(sources: dict[str, bytes]) -> str:
 
 
 def read_metadata(repo: Path = REPO) -> dict:
-    """The top-level metadata.json (its `id`, if any, is replaced by `kernel_id`)."""
+    """The top-level metadata.json (its `backend`, `id` and `digest` are replaced per variant)."""
     path = repo / METADATA
     meta = json.loads(path.read_text(encoding="utf-8"))
     missing = [k for k in REQUIRED_KEYS if k not in meta]
@@ -149,10 +164,66 @@ def read_metadata(repo: Path = REPO) -> dict:
     return meta
 
 
+def backends(repo: Path = REPO) -> list[str]:
+    """build.toml's `[general] backends` (what kernel-builder builds a variant for), in its order; they
+    must include `ROOT_BACKEND` (the top-level metadata.json is its variant's)."""
+    path = repo / BUILD_TOML
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: it names the backends to build")
+    names = tomllib.loads(path.read_text(encoding="utf-8")).get("general", {}).get("backends")
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names) or not names:
+        raise ValueError(f"{path}: [general] backends must be a non-empty list of backend names")
+    if ROOT_BACKEND not in names:
+        raise ValueError(f"{path}: [general] backends {names} lack {ROOT_BACKEND!r}, whose metadata is the top level's")
+    return list(names)
+
+
+def variant_dir(backend: str) -> Path:
+    """`build/torch-<backend>`: the noarch variant folder kernels matches to a backend."""
+    return BUILD_DIR / f"torch-{backend}"
+
+
+def declared_archs(repo: Path, names: list[str]) -> dict[str, list[str]]:
+    """`{backend: archs.declared(backend)}`, from the sources' architecture record. archs.py is loaded by
+    file path as a submodule of a bare package whose `__path__` is the source folder, so its relative
+    imports of other torch-free modules resolve while the package's `__init__` (torch) never runs; the
+    modules are dropped from `sys.modules` afterwards."""
+    source = repo / SOURCE_DIR
+    path = source / f"{ARCHS_MODULE}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: it declares the archs each variant's metadata lists")
+    package = f"_sync_build_sources_{hashlib.sha256(str(source).encode()).hexdigest()[:ID_HEX_DIGITS]}"
+    before = set(sys.modules)
+    sys.modules[package] = stub = types.ModuleType(package)
+    stub.__path__ = [str(source)]
+    try:
+        spec = importlib.util.spec_from_file_location(f"{package}.{ARCHS_MODULE}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        declared = {name: module.declared(name) for name in names}
+    finally:
+        for name in set(sys.modules) - before:
+            if name == package or name.startswith(package + "."):
+                del sys.modules[name]
+    for name, archs in declared.items():
+        if not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs):
+            raise ValueError(f"{path}: declared({name!r}) must be a list of arch names, got {archs!r}")
+    return declared
+
+
 def kernel_id(meta: dict, sources: dict[str, bytes]) -> str:
-    """`_fused_linear_ce_cuda_<first 7 hex of source_digest>` for name `fused-linear-ce`, backend cuda."""
+    """`_fused_linear_ce_<backend>_<first 7 hex of source_digest>` for name `fused-linear-ce`."""
     python_name = meta["name"].replace("-", "_")
     return f"_{python_name}_{meta['backend']['type']}_{source_digest(sources)[:ID_HEX_DIGITS]}"
+
+
+def variant_metadata(base: dict, backend: str, archs: list[str], sources: dict[str, bytes]) -> dict:
+    """A variant's metadata before its digest: `base` with its backend, declared archs and id."""
+    meta = dict(base, backend={"type": backend, "archs": list(archs)})
+    meta.pop("digest", None)
+    meta["id"] = kernel_id(meta, sources)
+    return meta
 
 
 def render_metadata(meta: dict) -> bytes:
@@ -220,16 +291,20 @@ def variant_digest(files: dict[str, bytes]) -> dict:
 
 def expected_files(repo: Path = REPO) -> dict[str, bytes]:
     """Every generated file, `{repo-relative posix path: bytes}`, the top-level metadata.json included.
-    Ordered so that writing them in this order puts each variant's metadata.json last."""
+    Ordered so that writing them in this order puts each variant's metadata.json after its files."""
     sources = source_files(repo)
-    meta = dict(read_metadata(repo))
-    meta["id"] = kernel_id(meta, sources)
-    files_of_variant = variant_files(meta, sources)
-    meta["digest"] = variant_digest(files_of_variant)
-    metadata_bytes = render_metadata(meta)
-    files = {(VARIANT_DIR / rel).as_posix(): data for rel, data in files_of_variant.items()}
-    files[(VARIANT_DIR / "metadata.json").as_posix()] = metadata_bytes
-    files[METADATA.as_posix()] = metadata_bytes
+    base = read_metadata(repo)
+    names = backends(repo)
+    archs = declared_archs(repo, names)
+    files: dict[str, bytes] = {}
+    for backend in names:
+        meta = variant_metadata(base, backend, archs[backend], sources)
+        files_of_variant = variant_files(meta, sources)
+        meta["digest"] = variant_digest(files_of_variant)
+        folder = variant_dir(backend)
+        files.update({(folder / rel).as_posix(): data for rel, data in files_of_variant.items()})
+        files[(folder / METADATA).as_posix()] = render_metadata(meta)
+    files[METADATA.as_posix()] = files[(variant_dir(ROOT_BACKEND) / METADATA).as_posix()]
     return files
 
 

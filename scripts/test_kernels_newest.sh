@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the tests of what kernels reads (loader, Hub cache, layout, digest and upload, describe-api and
+# Runs the tests of what kernels reads (loader, Hub cache, layout, digest and upload of both variants,
+# torch-cuda and torch-rocm, on simulated CUDA and ROCm machines, describe-api and
 # the architecture check, `kernels benchmark`, the Nix drift check) under the newest kernels release as
 # well: the main run (scripts/test.sh) uses the declared minimum, `kernels==` in requirements-test.txt
 # and `kernels-minver` in metadata.json. A virtual environment (scripts/side_venv.sh) takes torch,
@@ -17,6 +18,7 @@ FILES=(
     tests/packaging/test_layout.py
     tests/packaging/test_loader.py
     tests/packaging/test_hub_cache.py
+    tests/packaging/test_pinning.py
     tests/packaging/test_publish.py
     tests/packaging/test_kernels_tools.py
     tests/packaging/test_workflows.py

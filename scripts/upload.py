@@ -2,12 +2,17 @@
 """Publishes the kernel to the Hugging Face Hub, the way `kernel-builder upload` lays a kernel repo out.
 
 * Branch `v<version>` (version from metadata.json) of a `kernel`-type repo gets exactly
-  `build/<variant>/**` for every variant folder under build/ (no `__pycache__/`, no `*.pyc`) and
+  `build/<variant>/**` for every variant folder under build/ (`torch-cuda` and `torch-rocm`, one per
+  build.toml backend; no `__pycache__/`, no `*.pyc`) and
   `benchmarks/benchmark*.py` if any; files under `build/` (and stale `benchmarks/benchmark*.py`) that
   the branch has but this checkout does not are deleted in the same commit. The repo and the branch
   are created when missing (a new branch starts from `main`'s head, as kernel-builder's does).
 * Branch `main` gets the card as README.md (`scripts/make_card.py`, generated from README.md) and the
-  images it shows.
+  images it shows. The card is written after the version branch's commit: its "Releases" section lists
+  that branch's upload commits (`release_history`, from the Hub's commit history), the new one first.
+* It prints the commit the version branch is at after the upload: the 40-hex sha users pin
+  (`get_kernel(..., revision=...)`, `kernels.lock`). Each upload commit's title names the source
+  commit it was built from (`release_title`).
 
 It refuses (exit 2, nothing uploaded) when the metadata is invalid (kernels' own parser, as the loader
 reads it), when build/ is out of sync with torch-ext/ (`scripts/sync_build.py --check`) or when the git
@@ -35,8 +40,9 @@ and does not refuse a stale or dirty checkout. The `kernels` package (0.17) has 
 Everything it can take from the tools it does: the metadata is parsed by `kernels._rust.Metadata`, the
 variant digest is checked with `kernels._rust.Digest`, and the Hub calls are `huggingface_hub.HfApi`.
 
-As a module: `plan_operations(repo_root, remote_files)` (pure: reads the checkout only),
-`preflight(repo_root)` (the refusals), `execute(operations, api, ...)`, `hub_refusal_message(...)`.
+As a module: `plan_operations(repo_root, remote_files)` (pure: reads the checkout only; its tail is
+`card_operations(repo_root, releases)`), `preflight(repo_root)` (the refusals), `execute(operations,
+api, ...)` (returns the commit of each branch), `release_history(...)`, `hub_refusal_message(...)`.
 """
 
 from __future__ import annotations
@@ -45,10 +51,13 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,6 +70,8 @@ MAIN = "main"
 REPO_TYPE = "kernel"  # huggingface_hub.constants.REPO_TYPE_KERNEL
 URL_PREFIX = {"kernel": "kernels/", "model": ""}  # huggingface_hub.constants.REPO_TYPES_URL_PREFIXES
 BENCHMARK_GLOB = "benchmark*.py"
+# The title of an upload commit on the version branch; `release_history` reads releases back from it.
+RELEASE_TITLE = "Upload {name} {branch} from {source}"
 
 
 @dataclass(frozen=True)
@@ -156,9 +167,17 @@ def plan_operations(
         ops.append(Operation("create-branch", branch))
     ops += [Operation("delete", p, branch) for p in sorted(set(remote_files or ())) if _stale(p, local)]
     ops += [Operation("upload", p, branch, source=src) for p, src in local.items()]
-    ops.append(Operation("upload", "README.md", MAIN, data=make_card.render_card(repo).encode("utf-8")))
-    ops += [Operation("upload", p, MAIN, source=repo / p) for p in make_card.card_assets(repo)]
-    return ops
+    return ops + card_operations(repo)
+
+
+def card_operations(repo_root: Path, releases: Sequence[make_card.Release] = ()) -> list[Operation]:
+    """The uploads to `main`: the card (with `releases`, newest first, in its "Releases" section) and
+    the files it shows or links to."""
+    repo = Path(repo_root)
+    card = make_card.render_card(repo, releases).encode("utf-8")
+    return [Operation("upload", "README.md", MAIN, data=card)] + [
+        Operation("upload", p, MAIN, source=repo / p) for p in make_card.card_assets(repo)
+    ]
 
 
 def preflight(repo_root: Path, build_dir: Path | None = None) -> list[str]:
@@ -290,8 +309,31 @@ def remote_branch_files(api, repo_id: str, repo_type: str, branch: str, token: s
     return list(api.list_repo_files(repo_id, revision=source, repo_type=repo_type, token=token)), source == branch
 
 
-def execute(operations: list[Operation], api, *, repo_id: str, repo_type: str, token: str, message: str) -> None:
-    """Runs a plan: repo and branch creation first, then one commit per branch, in plan order."""
+def release_title(repo: Path, source: str) -> str:
+    return RELEASE_TITLE.format(name=_general(repo)["name"], branch=version_branch(repo), source=source)
+
+
+def release_history(api, repo: Path, repo_id: str, repo_type: str, token: str) -> list[make_card.Release]:
+    """The upload commits of the version branch on the Hub, newest first (the Hub's order), read from
+    their titles (`RELEASE_TITLE`); other commits (the branch's start from `main`) are not releases."""
+    name, branch = re.escape(_general(repo)["name"]), re.escape(version_branch(repo))
+    title = re.compile(RELEASE_TITLE.format(name=name, branch=branch, source="(?P<source>[0-9a-f]{40})") + "$")
+    commits = api.list_repo_commits(repo_id, repo_type=repo_type, revision=version_branch(repo), token=token)
+    releases = []
+    for commit in commits:
+        match = title.match(commit.title.strip())
+        if match:
+            date = commit.created_at.astimezone(timezone.utc).date().isoformat()
+            releases.append(make_card.Release(commit=commit.commit_id, source=match["source"], date=date))
+    return releases
+
+
+def execute(
+    operations: list[Operation], api, *, repo_id: str, repo_type: str, token: str, message: str
+) -> dict[str, str]:
+    """Runs a plan: repo and branch creation first, then one commit per branch, in plan order. Returns
+    `{branch: the commit it is at}` for each branch committed to (a commit that changes nothing leaves
+    the branch where it was: the Hub then answers with its current commit)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     commits: dict[str, list] = {}
@@ -307,10 +349,31 @@ def execute(operations: list[Operation], api, *, repo_id: str, repo_type: str, t
             commits.setdefault(op.branch, []).append(CommitOperationAdd(path_in_repo=op.path, path_or_fileobj=content))
         else:
             raise ValueError(f"unknown operation {op}")
+    heads = {}
     for branch, ops in commits.items():
-        api.create_commit(
+        info = api.create_commit(
             repo_id, operations=ops, commit_message=message, repo_type=repo_type, revision=branch, token=token
         )
+        heads[branch] = info.oid
+    return heads
+
+
+def publish(api, repo: Path, *, repo_id: str, repo_type: str, token: str, build_dir: Path | None) -> str:
+    """Uploads the version branch (printing each operation), then the card with the branch's releases,
+    the new one first. Returns the commit the version branch is at: the sha users pin."""
+    branch = version_branch(repo)
+    remote, exists = remote_branch_files(api, repo_id, repo_type, branch, token)
+    operations = plan_operations(
+        repo, remote, repo_id=repo_id, repo_type=repo_type, new_branch=not exists, build_dir=build_dir
+    )
+    for op in operations:
+        print(op)
+    hub = {"repo_id": repo_id, "repo_type": repo_type, "token": token}
+    message = release_title(repo, _git_head(repo))
+    heads = execute([op for op in operations if op.branch != MAIN], api, message=message, **hub)
+    releases = release_history(api, repo, **hub)
+    execute(card_operations(repo, releases), api, message=f"Card: {message}", **hub)
+    return heads[branch]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,25 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         print("upload.py: no token: pass --token or set HF_TOKEN", file=sys.stderr)
         return 2
     from huggingface_hub import HfApi
-
     from huggingface_hub.errors import HfHubHTTPError
 
-    api = HfApi()
     try:
-        remote, exists = remote_branch_files(api, repo_id, args.repo_type, branch, token)
-        operations = plan_operations(
-            repo, remote, repo_id=repo_id, repo_type=args.repo_type, new_branch=not exists, build_dir=build_dir
-        )
-        for op in operations:
-            print(op)
-        execute(
-            operations,
-            api,
-            repo_id=repo_id,
-            repo_type=args.repo_type,
-            token=token,
-            message=f"Upload {_general(repo)['name']} {branch} from {_git_head(repo)}",
-        )
+        commit = publish(HfApi(), repo, repo_id=repo_id, repo_type=args.repo_type, token=token, build_dir=build_dir)
     except HfHubHTTPError as e:
         message = hub_refusal_message(e, repo_id=repo_id, repo_type=args.repo_type)
         if message is None:
@@ -379,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr)
         return 3
     print(f"upload.py: published {repo_id} ({args.repo_type}) branch {branch} and the card on {MAIN}")
+    print(f'upload.py: branch {branch} is at commit {commit}: pin this release with revision="{commit}"')
     return 0
 
 

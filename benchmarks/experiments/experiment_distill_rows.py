@@ -9,6 +9,7 @@ dW is checked against ``distill_cases.reference`` first, and every launch's da a
 launch's. Table last; JSON under --out.
 """
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -32,8 +33,13 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+_LAUNCH = contextlib.ExitStack()  # the override ``use`` holds
+
+
 def use(launch):
-    configs.DIVERGENCE_ROW_LAUNCHES = ((None, *launch),)  # this launch at every row count
+    """This launch at every row count (``configs.override``), until the next ``use``."""
+    _LAUNCH.close()
+    _LAUNCH.enter_context(configs.override(divergence_rows=((None, *launch),)))
 
 
 def row_pieces(data, checks):

@@ -19,6 +19,7 @@ in-place factor of 1) against the package before it:
 """
 
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -65,10 +66,10 @@ def _no_split():
 def _gluon_e():
     """Run 1 only (``gluon_store_e.patch`` applied, at commit 3502f5a): the chunked sweep as the Hopper
     ping-pong kernel (STORE_E) at every H (its bucket opened)."""
-    real = configs._GPU_PINGPONG
-    configs._GPU_PINGPONG = replace(real, max_h_e=1 << 20)
+    opened = contextlib.ExitStack()
+    opened.enter_context(configs.override("sm90", pingpong=replace(configs.pingpong(1), max_h_e=1 << 20)))
     os.environ.pop("FUSED_LINEAR_CE_PINGPONG", None)
-    return lambda: setattr(configs, "_GPU_PINGPONG", real)
+    return opened.close
 
 
 VARIANTS = {"dx-cublas": _dx_on_cublas, "no-split": _no_split}

@@ -25,6 +25,7 @@ On the CPU (``TRITON_INTERPRET=1``) ``--check`` runs only run 1's bit-for-bit co
 """
 
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -294,7 +295,7 @@ def run1(args):
     print("\n" + "\n".join(table))
 
 
-# Run 2: the package's chunked sweep under each tile config (``configs._GPU_CHUNKED_SWEEP`` patched):
+# Run 2: the package's chunked sweep under each tile config (``configs.override(chunked=...)``):
 # the 128 x 128 one-tile grid (v13), the same grid at 128 x 256 w8 (shipped since), and with
 # ``flat_sweep.patch`` applied (run 2 was on it; at commit 3502f5a) the persistent flattened kernel
 # (``flat_sweep``) at 128 x 256 w8, with its compaction of ignored row blocks and without.
@@ -307,16 +308,13 @@ def _configs():
 
 
 def _use(label, cfgs):
-    """Patches the package to run ``label``; returns the undo."""
-    real_cfg, real_skip = configs._GPU_CHUNKED_SWEEP, sweep.skip_ignored
-    configs._GPU_CHUNKED_SWEEP = cfgs[label]
+    """Makes the package run ``label`` (``configs.override``); returns the undo."""
+    held = contextlib.ExitStack()
+    held.enter_context(configs.override(chunked=cfgs[label]))
     if label == "flat-nocompact":  # every row block computed (the same results where none is ignored)
+        held.callback(setattr, sweep, "skip_ignored", sweep.skip_ignored)
         sweep.skip_ignored = lambda opts: False
-
-    def undo():
-        configs._GPU_CHUNKED_SWEEP = real_cfg
-        sweep.skip_ignored = real_skip
-    return undo
+    return held.close
 
 
 def _ignored_half(targets, run=512):

@@ -112,12 +112,9 @@ def cases(scale):
 
 
 def with_config(cfg, fn):
-    original = configs.matmul_config
-    configs.matmul_config = lambda dtype, role="product": cfg
-    try:
+    """``fn()`` with every product's config ``cfg`` (``configs.override``)."""
+    with configs.override(product=cfg, paired_rows=cfg, compensated=cfg):
         return fn()
-    finally:
-        configs.matmul_config = original
 
 
 def main():

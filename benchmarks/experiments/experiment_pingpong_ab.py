@@ -12,6 +12,7 @@ the shipped kernel does not: measured again here with the bucket opened to every
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -51,7 +52,9 @@ def main():
     args = ap.parse_args()
     from tune import problem
 
-    configs._GPU_PINGPONG = replace(configs._GPU_PINGPONG, max_h=1 << 30)  # every H, to find the bucket's end
+    every_h = contextlib.ExitStack()  # held to the end of the run: the ping-pong sweep at every H,
+    everywhere = replace(configs.pingpong(1), max_h=1 << 30)  # to find its bucket's end
+    every_h.enter_context(configs.override("sm90", pingpong=everywhere))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -67,7 +67,7 @@ def reset() -> None:
     _timings.clear()
 
 
-def tiles(role: str, hidden: torch.Tensor, v: int, run, budget=None, shard=None, *, variant=()) -> TileConfig:
+def choose(role: str, hidden: torch.Tensor, v: int, run, budget=None, shard=None, *, variant=()) -> TileConfig:
     """The tiles for ``role`` at this call's shape: the table's (``configs.tiles``), or with
     autotuning on the fastest of ``configs.candidates``, each timed by ``run(cfg)`` (which runs the
     whole stage with those tiles and returns its outputs, dropped here). ``variant``: what else of

@@ -61,7 +61,7 @@ def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master
     the weight is an fp32 master weight (``master``: its fp32 gradient is the accumulator, so any
     number of chunks costs only the chunk's buffer), or the call is long context
     (``long_context_budget``). ``sharded``: a vocabulary shard (``process_group``); ``where``: the
-    device (its family's tiles, ``configs.family``)."""
+    device (its family's tiles, ``configs.tables``)."""
     if not any(needs) or opts.strategy == "recompute":
         return False
     if opts.strategy == "chunked":
@@ -153,7 +153,7 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     if budget is None and master and slab is None:
         budget = plan.DEFAULT_MASTER_BYTES
     if cfg is None:
-        cfg = autotune.tiles("chunked", hidden, v, lambda c: forward(
+        cfg = autotune.choose("chunked", hidden, v, lambda c: forward(
             hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c,
             dw_dtype=dw_dtype),
             budget, shard,

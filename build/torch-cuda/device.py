@@ -11,6 +11,7 @@ import os
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import archs
 from .logits import tanh as _a_jitted_function
 
 
@@ -46,40 +47,48 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(_index(device))
 
 
-# Architecture families: each has its own configuration tables (``configs.py``), chosen offline by
-# compiling every configuration the package launches for that target (``scripts/registers.py --arch``)
-# and holding it to its shared memory and to at most 256 bytes of spilled registers a thread.
-# (family, the capabilities it names, the shared memory a block may opt into, in bytes):
-# sm80 the A100 / A800 (and Orin, 8.7); sm86 the Ampere and Ada consumer and inference parts (A10G,
-# A40, RTX 3090, L4, L40S, RTX 4090); sm90 H100 / H200 (the tables measured); sm100 B200 / GB200 /
-# B300 (and Thor, 11.0); sm120 RTX 5090 / RTX PRO 6000 (mma.sync, no wgmma or tcgen05).
-FAMILIES = {
-    "sm80": ((8, 0), (8, 7)),
-    "sm86": ((8, 6), (8, 9)),
-    "sm90": ((9, 0),),
-    "sm100": ((10, 0), (10, 3), (11, 0)),
-    "sm120": ((12, 0), (12, 1)),
-}
-# The per-block shared memory each family's tables are held to (the smallest of its GPUs).
-FAMILY_SHARED = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024, "sm100": 227 * 1024,
-                 "sm120": 99 * 1024}
-
-
+# Architecture families (``archs.ARCHS``): each GPU takes one family's tiles, recognised by its CUDA
+# compute capability or its ROCm gfx name.
 def family_of(capability: tuple[int, int], shared_optin: int | None = None) -> str | None:
-    """The configuration family of a CUDA GPU of ``capability`` whose blocks may use
-    ``shared_optin`` bytes of shared memory (None: the family's own figure), or None below compute
-    capability 8.0 (no bf16 tensor cores: ``check_dtype``). A capability no family names takes the
-    family of its major version's nearest named one below it; a GPU with less shared memory than
-    its family's tables need takes the largest family that fits (the sm86 / sm120 tables need 99 KB)."""
-    major, minor = capability
-    if major < 8:
-        return None
-    named = [(cap, name) for name, caps in FAMILIES.items() for cap in caps if cap <= (major, minor)]
-    name = max(named)[1]
-    if shared_optin is not None and shared_optin < FAMILY_SHARED[name]:
-        fits = [f for f in ("sm80", "sm86") if FAMILY_SHARED[f] <= shared_optin]
-        name = "sm120" if major >= 12 else fits[0] if fits else "sm86"
-    return name
+    """The configuration family of a CUDA GPU of ``capability`` whose blocks may use ``shared_optin``
+    bytes of shared memory (None: the family's own figure), or None below compute capability 8.0 (no
+    bf16 tensor cores: ``check_dtype``). A capability no family names takes the family of the nearest
+    named one below it; a GPU with less shared memory than its family's tables are held to takes the
+    CUDA family with the most that fits (the least if none does), of those the nearest to its
+    capability from below, else from above."""
+    own = _cuda_arch(capability)
+    if own is None or shared_optin is None or shared_optin >= own.shared:
+        return own and own.name
+    cuda = archs.of_backend("cuda")
+    fits = [a for a in cuda if a.shared <= shared_optin]
+    pool = fits or [a for a in cuda if a.shared == min(b.shared for b in cuda)]
+    return max(pool, key=lambda a: (a.shared, _nearness(a, capability))).name
+
+
+def _nearness(arch: archs.Arch, capability: tuple[int, int]) -> tuple:
+    """Orders families by how near their first capability is to ``capability``: those at or below it
+    first, the highest of them first; then those above it, the lowest first."""
+    first = min(arch.recognises)
+    return (first <= capability, first if first <= capability else tuple(-c for c in first))
+
+
+def _cuda_arch(capability: tuple[int, int]) -> archs.Arch | None:
+    """The CUDA family that names ``capability``, else the one naming the nearest capability below
+    it; None below every named one (8.0)."""
+    named = [(cap, arch.name) for arch in archs.of_backend("cuda") for cap in arch.recognises if cap <= capability]
+    return archs.get(max(named)[1]) if named else None
+
+
+def rocm_family(gfx: str) -> str:
+    """The configuration family of a ROCm GPU whose ``gcnArchName`` starts with ``gfx``: the family
+    that names it; an unnamed one takes the family of its wave size with the least LDS (CDNA2 for a
+    gfx9 part, a wave of 64; RDNA3 for the rest, 32), so that every table fits it."""
+    for arch in archs.of_backend("rocm"):
+        if gfx in arch.recognises:
+            return arch.name
+    wave = 64 if gfx.startswith("gfx9") else 32
+    same = [a for a in archs.of_backend("rocm") if a.wave == wave]
+    return min(same, key=lambda a: a.shared).name
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,14 +97,37 @@ def _shared_optin(device_index: int) -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None)
 
 
+@functools.lru_cache(maxsize=None)
+def _gfx(device_index: int) -> str:
+    """A ROCm device's gfx name: its ``gcnArchName`` up to the first ':' (``gfx942:sramecc+:xnack-``
+    is gfx942), as ``kernels`` checks it against metadata.json's archs."""
+    return torch.cuda.get_device_properties(device_index).gcnArchName.split(":")[0]
+
+
+def rocm(device: torch.device | None) -> bool:
+    """Whether ``device`` is a GPU under ROCm (torch for ROCm calls its devices "cuda")."""
+    return device is not None and device.type == "cuda" and torch.version.hip is not None
+
+
 def family(device: torch.device | None) -> str:
-    """The configuration family (``FAMILIES``) of a CUDA ``device``, from its compute capability and
-    per-block shared memory; "sm90" (the measured tables) for None, a CPU tensor's device (the
-    interpreter) and ROCm."""
-    if device is None or device.type != "cuda" or torch.version.hip is not None:
+    """The configuration family (``archs.ARCHS``) whose tiles a ``device`` takes: a ROCm GPU's from
+    its gfx name (``rocm_family``), a CUDA GPU's from its compute capability and per-block shared
+    memory (``family_of``; "sm86" below 8.0); "sm90" (the measured tables) for None and a CPU
+    tensor's device (the interpreter)."""
+    if device is None or device.type != "cuda":
         return "sm90"
     index = _index(device)
+    if rocm(device):
+        return rocm_family(_gfx(index))
     return family_of(_capability(index), _shared_optin(index)) or "sm86"
+
+
+def hardware(device: torch.device) -> archs.Arch | None:
+    """The family a GPU ``device`` belongs to, for what its hardware has (TMA, tf32 dots), whatever
+    tiles its shared memory lets it take; None for a CUDA GPU below compute capability 8.0."""
+    if rocm(device):
+        return archs.get(rocm_family(_gfx(_index(device))))
+    return _cuda_arch(capability(device))
 
 
 def gpu_name(device: torch.device) -> str:
@@ -107,7 +139,7 @@ def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
     """Raises ValueError, before any kernel runs, where ``dtype`` cannot run well on ``device``:
     bf16 below compute capability 8.0 (a T4, a V100), whose tensor cores have no bf16 products, so
     Triton emulates them (18 KB of stack a thread offline for sm_75). fp16 and fp32 run there."""
-    if dtype != torch.bfloat16 or device.type != "cuda" or torch.version.hip is not None:
+    if dtype != torch.bfloat16 or device.type != "cuda" or rocm(device):
         return
     cap = capability(device)
     if cap[0] < 8:
@@ -117,12 +149,14 @@ def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
 
 
 def tma_hardware(device: torch.device) -> bool:
-    """Whether ``device`` loads through TMA tensor descriptors in hardware: CUDA compute capability
-    9.0 and up (Hopper, Blackwell). Older GPUs keep the pointer loads, the path they were measured
-    and tested on; the interpreter runs the descriptors too (so the CPU tests cover them)."""
+    """Whether ``device`` loads through TMA tensor descriptors in hardware: the CUDA families from
+    compute capability 9.0 on (Hopper, Blackwell; ``archs.Arch.tma``). Older GPUs and AMD ones keep
+    the pointer loads, the path they were measured and tested on; the interpreter runs the
+    descriptors too (so the CPU tests cover them)."""
     if device.type != "cuda":
         return interpreted()
-    return torch.version.hip is None and capability(device)[0] >= 9
+    arch = hardware(device)
+    return arch is not None and arch.tma
 
 
 def tma_layout(t: torch.Tensor) -> bool:
@@ -143,8 +177,13 @@ def logit_descriptors(hidden, weight, cfg):
             TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]), True)
 
 
-def input_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs follow torch's matmul precision setting (tf32 only when torch allows it)."""
+def input_precision(dtype: torch.dtype, *, device: torch.device | None = None) -> str:
+    """tl.dot's input precision on ``device`` (None: a CUDA GPU's): "tf32" where the family's dots take
+    it (``archs.Arch.tf32``: every CUDA family, CDNA3), for fp32 inputs only when torch allows TF32;
+    "ieee" elsewhere (Triton's AMD backend refuses "tf32" but on gfx942)."""
+    arch = hardware(device) if device is not None and device.type == "cuda" else None
+    if arch is not None and not arch.tf32:
+        return "ieee"
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"
@@ -168,15 +207,15 @@ def bf16_emulation(dtype: torch.dtype) -> bool:
     return interpreted() and dtype == torch.bfloat16
 
 
-def dot_flags(dtype: torch.dtype) -> dict:
-    """The flags of every kernel that runs tl.dot on ``dtype`` operands."""
-    return dict(BF16_EMULATION=bf16_emulation(dtype), INPUT_PRECISION=input_precision(dtype))
+def dot_flags(dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """The flags of every kernel that runs tl.dot on ``dtype`` operands on ``device``."""
+    return dict(BF16_EMULATION=bf16_emulation(dtype), INPUT_PRECISION=input_precision(dtype, device=device))
 
 
-def logit_flags(dtype: torch.dtype) -> dict:
+def logit_flags(dtype: torch.dtype, device: torch.device | None = None) -> dict:
     """For kernels that compute logits: ``dot_flags`` and no fused multiply-add contraction where
     ``fp_fusion`` says so, so that every kernel rounds z = scale * acc (- m) the same way."""
-    return dict(dot_flags(dtype), enable_fp_fusion=fp_fusion(dtype))
+    return dict(dot_flags(dtype, device), enable_fp_fusion=fp_fusion(dtype))
 
 
 def new(shape, dtype, device) -> torch.Tensor:

@@ -124,7 +124,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
     a_t, b_t = layouts if tma else (False, False)
     a_desc = _descriptor(a, cfg.block_m, cfg.block_k, a_t) if tma else a
     b_desc = _descriptor(b, cfg.block_k, cfg.block_p, b_t) if tma else b
-    flags = device.dot_flags(a.dtype)
+    flags = device.dot_flags(a.dtype, a.device)
     c_tma = False
     assert split == 1 or (c.dtype == torch.float32 and lo is None and unscale is None and not accumulate)
     if split > 1:  # atomic adds through a descriptor where the layout allows, in column halves (the

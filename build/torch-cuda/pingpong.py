@@ -84,11 +84,13 @@ def eligible(hidden, weight, plain: bool) -> bool:
 
 
 def rule(capability: tuple[int, int], dtype: torch.dtype, h: int, *, plain: bool, tma: bool) -> bool:
-    """A Hopper GPU (compute capability 9.0: wgmma; Blackwell has none), 16-bit operands whose
-    layouts take TMA descriptors, a ``plain`` call (see ``eligible``), and a hidden size inside
-    ``configs.pingpong``'s bucket."""
-    return (capability == (9, 0) and dtype in (torch.bfloat16, torch.float16) and plain and tma
-            and configs.pingpong(h) is not None)
+    """A CUDA GPU of ``capability`` whose family runs the ping-pong sweep (``archs.Arch.pingpong``:
+    Hopper, wgmma; Blackwell has none), 16-bit operands whose layouts take TMA descriptors, a
+    ``plain`` call (see ``eligible``), and a hidden size inside the family's ``configs.pingpong``
+    bucket."""
+    family = device.family_of(capability)
+    return (family is not None and dtype in (torch.bfloat16, torch.float16) and plain and tma
+            and configs.pingpong(h, where=family) is not None)
 
 
 def launch(hidden, weight, targets, tile_scale, metrics: bool, offset: int, ignore_index: int, skip_ignored: bool):

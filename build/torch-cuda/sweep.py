@@ -107,7 +107,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     With ``e_out`` ((N, V) buffer) every split is one vocabulary tile and the tiles also store
     exp(z - m_tile) there (the chunked path, which passes its tiles as ``cfg``); plane 0 of the
     per-split statistics, (T, N), is then each tile's row max. ``cfg``: the tiles, else the
-    table's or, with autotuning on, the fastest for this shape (``autotune.tiles``). ``scratch``: a
+    table's or, with autotuning on, the fastest for this shape (``autotune.choose``). ``scratch``: a
     contiguous tensor whose memory is free until the caller's next write to it (the chunked path's
     rows of grad_hidden): the per-split statistics live there when they fit, are allocated else."""
     n, h = hidden.shape
@@ -122,7 +122,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     hopper = e_out is None and cfg is None and pingpong.eligible(hidden, weight, plain)
     if cfg is None and not hopper:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
         assert e_out is None, "the chunked path's sweep takes its tiles from the caller"
-        cfg = autotune.tiles(
+        cfg = autotune.choose(
             "sweep", hidden, v, lambda c: sweep(hidden, weight, targets, bias, class_weight, opts, shard, cfg=c),
             shard=shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts))
     offset, v_total = (shard.offset, shard.v_total) if shard is not None else (0, v)
@@ -205,6 +205,6 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma, E_T=e_t,
         GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.logit_flags(hidden.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **device.logit_flags(hidden.dtype, hidden.device),
     )
     return stats, argmax, splits

@@ -118,7 +118,7 @@ def test_a_candidate_that_does_not_fit_is_skipped_and_other_errors_propagate():
             raise OutOfResources(300000, 232448, "shared memory")
         return cfg
 
-    got = autotune.tiles("sweep", hidden, 300, run)
+    got = autotune.choose("sweep", hidden, 300, run)
     assert got != first and got in configs.candidates("sweep", torch.bfloat16, 48)[1:]
     (timed,) = autotune.timings().values()
     assert timed[0] == (first, None) and all(ms is not None for _c, ms in timed[1:])
@@ -127,7 +127,7 @@ def test_a_candidate_that_does_not_fit_is_skipped_and_other_errors_propagate():
         raise ValueError("a bug, not a resource limit")
 
     with pytest.raises(ValueError, match="a bug"):
-        autotune.tiles("sweep", torch.zeros(8, 48, device=DEVICE, dtype=torch.bfloat16), 300, broken)
+        autotune.choose("sweep", torch.zeros(8, 48, device=DEVICE, dtype=torch.bfloat16), 300, broken)
 
 
 def test_no_tuning_for_a_vocabulary_shard_or_an_empty_batch():
@@ -137,8 +137,8 @@ def test_no_tuning_for_a_vocabulary_shard_or_an_empty_batch():
         raise AssertionError("must not be timed")
 
     base = configs.tiles("sweep", torch.float32, 48)
-    assert autotune.tiles("sweep", torch.zeros(16, 48, device=DEVICE), 300, run, shard=object()) == base
-    assert autotune.tiles("sweep", torch.zeros(0, 48, device=DEVICE), 300, run) == base
+    assert autotune.choose("sweep", torch.zeros(16, 48, device=DEVICE), 300, run, shard=object()) == base
+    assert autotune.choose("sweep", torch.zeros(0, 48, device=DEVICE), 300, run) == base
     assert autotune.chosen() == {}
 
 
@@ -154,7 +154,7 @@ def test_no_tuning_during_cuda_graph_capture():
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        got = autotune.tiles("sweep", hidden, 300, run)
+        got = autotune.choose("sweep", hidden, 300, run)
         x.add_(1)
     assert got == configs.tiles("sweep", torch.bfloat16, 48) and autotune.chosen() == {}
 
@@ -180,7 +180,7 @@ def test_one_candidate_is_not_timed(monkeypatch):
     calls = _count_timings(monkeypatch)
     only = configs.tiles("sweep", torch.float32, 48)
     monkeypatch.setattr(configs, "candidates", lambda role, dtype, h=None, where=None: (only,))
-    assert autotune.tiles("sweep", torch.zeros(16, 48, device=DEVICE), 300, lambda cfg: cfg) == only
+    assert autotune.choose("sweep", torch.zeros(16, 48, device=DEVICE), 300, lambda cfg: cfg) == only
     assert calls == [] and autotune.chosen() == {}
 
 
@@ -228,27 +228,26 @@ def test_every_loss_variant_is_exact_with_other_tiles(role, shape, options, monk
 def test_the_table_picks_the_chunked_sweep_tiles_by_hidden_size(monkeypatch):
     """The GPU table (read here without a GPU) of the running Triton: the chunked sweep's 128 x 128
     tiles with 4 warps up to H = 1024; above and for an unknown H, 128 x 256 with 8 warps under the
-    Triton sm_90's tables were measured with (NOTES v32), 128 x 128 with 8 warps after it
-    (``configs.NEWER_TRITON_TABLES``); the other roles one bucket; fp32 its one config; and the
-    autotuning candidates keep the other bucket's tiles among them."""
-    from fused_linear_ce import device
+    Triton sm_90's tables were measured with (NOTES v32), 128 x 128 with 8 warps after it (the record's
+    overlay); the other roles one bucket; fp32 its one config; and the autotuning candidates keep the
+    other bucket's tiles among them."""
+    from fused_linear_ce import archs, device
 
     monkeypatch.setattr(device, "interpreted", lambda: False)
-    measured = configs.triton_version() <= configs.MEASURED_TRITON
-    if measured:
-        wide, sweep, wide_shape = configs._GPU_CHUNKED_SWEEP, configs._GPU_SWEEP, (256, 8)
-    else:
-        wide, sweep, wide_shape = configs._SM90_NEWER_TRITON_CHUNKED, configs._SM90_NEWER_TRITON, (128, 8)
-    small = configs._GPU_CHUNKED_SWEEP_SMALL_H
+    record = archs.get("sm90")
+    (measured_with, _), = record.overlays
+    sm90 = record.tables_for(configs.triton_version())
+    (_, small), (_, wide) = sm90.chunked
+    wide_shape = (256, 8) if configs.triton_version() <= measured_with else (128, 8)
     assert (small.block_v, small.num_warps, wide.block_v, wide.num_warps) == (128, 4, *wide_shape)
     for h, want in ((640, small), (896, small), (1024, small), (1025, wide), (2048, wide), (4096, wide),
                     (None, wide)):
         assert configs.tiles("chunked", torch.bfloat16, h) == want, h
         assert configs.sweep_config(torch.float16, chunked=True, h=h) == want, h
     for h in (640, 4096, None):
-        assert configs.tiles("sweep", torch.bfloat16, h) == sweep
-        assert configs.tiles("dlogits", torch.bfloat16, h) == configs._GPU_DLOGITS
-        assert configs.tiles("chunked", torch.float32, h) == configs._GPU_SWEEP_FP32
+        assert configs.tiles("sweep", torch.bfloat16, h) == sm90.sweep[0][1]
+        assert configs.tiles("dlogits", torch.bfloat16, h) == sm90.dlogits[0][1]
+        assert configs.tiles("chunked", torch.float32, h) == sm90.sweep_fp32
     shapes = {(c.block_n, c.block_v, c.num_warps) for c in configs.candidates("chunked", torch.bfloat16, 4096)}
     assert {(128, 256, 8), (128, 128, 4)} <= shapes
     shapes = {(c.block_n, c.block_v, c.num_warps) for c in configs.candidates("chunked", torch.bfloat16, 896)}

@@ -123,13 +123,11 @@ for dtype in DTYPES:
 
 
 @pytest.mark.parametrize("case", POINTER_CASES, ids=lambda c: c.id)
-def test_pointer_loads_match_float64_reference(case, monkeypatch):
-    for name, value in list(vars(configs).items()):
-        if isinstance(value, (configs.TileConfig, configs.MatmulConfig)):
-            monkeypatch.setattr(configs, name, dataclasses.replace(value, tma=False))
-    hidden, weight, _, _ = make_inputs(case)
-    assert not device.logit_descriptors(hidden, weight, configs.sweep_config(case.dtype))[2]
-    check_three_way(case)
+def test_pointer_loads_match_float64_reference(case):
+    with configs.override(each=lambda cfg: dataclasses.replace(cfg, tma=False)):
+        hidden, weight, _, _ = make_inputs(case)
+        assert not device.logit_descriptors(hidden, weight, configs.sweep_config(case.dtype))[2]
+        check_three_way(case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

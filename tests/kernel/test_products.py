@@ -221,10 +221,9 @@ def test_matmul_takes_pointer_loads_where_tma_does_not_apply(monkeypatch):
     a32, b32 = _operands(48, 64, 40, torch.float32, seed=5)
     gemm.matmul(a32, b32, torch.empty(48, 40, device=DEVICE), False)
     assert spy.flags[-1][0] is (not ON_GPU)  # fp32 keeps pointer loads on the GPU (NOTES v12)
-    monkeypatch.setattr(configs, "_GPU_MATMUL", dataclasses.replace(configs._GPU_MATMUL, tma=False))
-    monkeypatch.setattr(configs, "_CPU_MATMUL", dataclasses.replace(configs._CPU_MATMUL, tma=False))
     again = torch.empty_like(out)
-    gemm.matmul(aligned[:, :70], b, again, False)
+    with configs.override(each=lambda cfg: dataclasses.replace(cfg, tma=False)):
+        gemm.matmul(aligned[:, :70], b, again, False)
     assert spy.flags[-1][0] is False and _beyond_one_rounding(again, a, b) <= 2.0**-16
 
 
@@ -292,11 +291,11 @@ def test_a_plain_result_through_a_descriptor_is_the_pointer_result(accumulate, m
     dtype = torch.float32 if accumulate else torch.bfloat16
 
     def run(c_tma):
-        for name in ("_GPU_MATMUL", "_CPU_MATMUL"):
-            monkeypatch.setattr(configs, name, dataclasses.replace(getattr(configs, name), c_tma=c_tma))
         buffer = torch.full((140, 88), 7.0, dtype=dtype, device=DEVICE)
         out = buffer[20:120]  # rows 20..119: contiguous, its neighbours must stay 7
-        gemm.matmul(a, b, out, accumulate, third)
+        with configs.override(each=lambda cfg: dataclasses.replace(cfg, c_tma=c_tma)
+                              if isinstance(cfg, configs.MatmulConfig) else cfg):
+            gemm.matmul(a, b, out, accumulate, third)
         return buffer
 
     by_pointers, by_descriptor = run(False), run(True)

@@ -3,8 +3,10 @@ read by the real loader with HF_HUB_OFFLINE=1 (`get_kernel`, `has_kernel`, `kern
 
 The cache (tests/hub_offline.py) is what `hf download --repo-type kernel trl-lib/fused-linear-ce
 --revision v1` leaves: `kernels--trl-lib--fused-linear-ce/{blobs,snapshots/<commit>,refs/v1,trees}`.
-On a CPU-only torch the `torch-cuda` variant is refused with the loader's own message; on a CUDA torch
-it loads from the snapshot (and computes a loss when a GPU is visible): that half runs in the GPU job.
+On a CPU-only torch the `torch-cuda` and `torch-rocm` variants are refused with the loader's own
+message; on a CUDA torch `torch-cuda` loads from the snapshot (and computes a loss when a GPU is
+visible): that half runs in the GPU job. On a simulated ROCm torch (tests/simulated_gpu.py) and a
+simulated CUDA one, each machine's variant loads from the snapshot.
 No test here may reach the network: sockets are refused in process and in subprocesses.
 """
 
@@ -19,14 +21,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from huggingface_hub import constants, get_cached_repo_tree, snapshot_download
-from hub_offline import build_hub_cache, guarded_env, hf_env, load_script, refuse_network
+from huggingface_hub import get_cached_repo_tree, snapshot_download
+from hub_offline import build_hub_cache, guarded_env, offline_hub, version_branch_files
 from kernels import Metadata, get_kernel, has_kernel
-from kernels_api import KERNELS_CLI, resolver, versions
+from kernels_api import KERNELS_CLI, versions
 from kernels_api import VERSION as KERNELS_VERSION
+from simulated_gpu import SimulatedGpu
 
 REPO = Path(__file__).resolve().parents[2]
-REPO_ID = tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))["general"]["hub"]["repo-id"]
+GENERAL = tomllib.loads((REPO / "build.toml").read_text(encoding="utf-8"))["general"]
+REPO_ID = GENERAL["hub"]["repo-id"]
+BACKENDS = GENERAL["backends"]  # a variant build/torch-<backend> each
+# A GPU of each backend: (how SimulatedGpu makes one, its capability or gfx name).
+GPU_OF = {"cuda": ("cuda", (9, 0)), "rocm": ("rocm", "gfx942")}
 VERSION = Metadata.read_from_file(REPO / "metadata.json").version
 BRANCH = f"v{VERSION}"
 CACHE_FOLDER = "kernels--" + REPO_ID.replace("/", "--")  # kernels--trl-lib--fused-linear-ce
@@ -35,41 +42,35 @@ TORCH_IS_CPU_BUILD = torch.version.cuda is None and torch.version.hip is None
 HAS_GPU = torch.cuda.is_available()
 
 
-upload = load_script("upload")
-
 
 def branch_files() -> dict[str, bytes]:
-    """What the version branch holds after scripts/upload.py, plus the .gitattributes of a new Hub repo."""
-    ops = upload.plan_operations(REPO, None)
-    files = {op.path: op.source.read_bytes() for op in ops if op.action == "upload" and op.branch == BRANCH}
-    assert any(p.startswith("build/torch-cuda/") for p in files)
-    files[".gitattributes"] = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
-    return files
+    return version_branch_files(REPO)
 
 
-def variant_refusal(commit: str) -> str:
-    return (
-        f"Cannot find a build variant for this system in {REPO_ID} (revision: {commit}):\n\n"
-        "torch-cuda: backend (cuda) does not match system backend (cpu) and is not universal"
-    )
+def assert_variant_refusal(text: str, commit: str) -> None:
+    """A CPU-only torch's refusal: the header, then every variant's backend on a line of its own (in the
+    order the kernels version lists them)."""
+    assert f"Cannot find a build variant for this system in {REPO_ID} (revision: {commit}):\n\n" in text, text[-2000:]
+    lines = text.splitlines()
+    for b in BACKENDS:
+        line = f"torch-{b}: backend ({b}) does not match system backend (cpu) and is not universal"
+        assert line in lines, text[-2000:]
+
+
+def simulate(monkeypatch, backend: str) -> None:
+    """torch reports a machine with one GPU of `backend` (GPU_OF), for this test."""
+    kind, arch = GPU_OF[backend]
+    getattr(SimulatedGpu(monkeypatch.setattr), kind)(arch)
+
+
+def loaded_variant(kernel) -> str:
+    return Path(kernel.__file__).parent.name
 
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
-    """Offline mode with an empty cache in tmp_path, set both in the environment and in the constants
-    the libraries read at import time; LOCAL_KERNELS unset so that the cache is what resolves."""
-    home = tmp_path / "hf_home"
-    for key, value in hf_env(home).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
-    monkeypatch.delenv("KERNELS_CACHE", raising=False)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    if hasattr(resolver, "CACHE_DIR"):  # 0.17 reads KERNELS_CACHE at import time, 0.19 on each call
-        monkeypatch.setattr(resolver, "CACHE_DIR", None)  # KERNELS_CACHE unset: the HF hub cache
-    refuse_network(monkeypatch)
-    return home / "hub"
+    """Offline mode with an empty cache in tmp_path (`offline_hub`)."""
+    return offline_hub(monkeypatch, tmp_path / "hf_home")
 
 
 def test_cache_layout_is_what_the_libraries_read(hub_cache):
@@ -89,14 +90,15 @@ def test_cache_layout_is_what_the_libraries_read(hub_cache):
 @pytest.mark.kernels_ci
 def test_get_kernel_version_from_hub_cache_offline(hub_cache):
     commit, snapshot = build_hub_cache(hub_cache, REPO_ID, branch_files(), ref=BRANCH)
-    if not TORCH_IS_CUDA_BUILD:
-        expected = variant_refusal(commit) if TORCH_IS_CPU_BUILD else "Cannot find a build variant"
-        with pytest.raises(FileNotFoundError, match=re.escape(expected)):
+    if TORCH_IS_CPU_BUILD:
+        with pytest.raises(FileNotFoundError) as refused:
             get_kernel(REPO_ID, version=VERSION)
+        assert_variant_refusal(str(refused.value), commit)
         return
+    variant = snapshot / "build" / ("torch-cuda" if TORCH_IS_CUDA_BUILD else "torch-rocm")
     kernel = get_kernel(REPO_ID, version=VERSION)
-    assert Path(kernel.__file__).parent == snapshot / "build" / "torch-cuda"
-    assert kernel.__name__ == Metadata.read_from_file(snapshot / "build" / "torch-cuda" / "metadata.json").id
+    assert Path(kernel.__file__).parent == variant
+    assert kernel.__name__ == Metadata.read_from_file(variant / "metadata.json").id
     if HAS_GPU:
         gen = torch.Generator().manual_seed(0)
         hidden, weight = torch.randn(7, 24, generator=gen), torch.randn(37, 24, generator=gen) / 24**0.5
@@ -110,7 +112,7 @@ def test_get_kernel_version_from_hub_cache_offline(hub_cache):
 def test_has_kernel_from_hub_cache_offline(hub_cache):
     """has_kernel resolves (cache, version, variant) without importing the module."""
     build_hub_cache(hub_cache, REPO_ID, branch_files(), ref=BRANCH)
-    assert has_kernel(REPO_ID, version=VERSION) is TORCH_IS_CUDA_BUILD
+    assert has_kernel(REPO_ID, version=VERSION) is not TORCH_IS_CPU_BUILD
     with pytest.raises(ValueError, match=f"Version {VERSION + 1} not found, available versions: {VERSION}"):
         has_kernel(REPO_ID, version=VERSION + 1)  # only FileNotFoundError becomes False
 
@@ -126,7 +128,7 @@ def test_kernels_info_cli_offline(tmp_path):
 
     # The cached snapshot, given as a path: answered from disk. 0.19 resolves a variant for this machine
     # first (a CPU-only torch has none in the snapshot), so there it is given the variant folder.
-    path = snapshot if KERNELS_VERSION < (0, 19) or TORCH_IS_CUDA_BUILD else snapshot / "build" / "torch-cuda"
+    path = snapshot if KERNELS_VERSION < (0, 19) or not TORCH_IS_CPU_BUILD else snapshot / "build" / "torch-cuda"
     local = kernels_cli("info", str(path), "--json")
     assert local.returncode == 0, local.stderr
     meta = json.loads(files["build/torch-cuda/metadata.json"])
@@ -139,7 +141,7 @@ def test_kernels_info_cli_offline(tmp_path):
         "upstream": meta["upstream"],
         "source": meta["source"],
         "python_depends": [],
-        "backends": ["cuda"],
+        "backends": BACKENDS,
     }
     info = json.loads(local.stdout)
     assert {key: info.get(key) for key in expected} == expected
@@ -152,28 +154,40 @@ def test_kernels_info_cli_offline(tmp_path):
     if KERNELS_VERSION < (0, 19):
         assert remote.returncode != 0
         assert "offline mode is enabled" in remote.stderr, remote.stderr[-2000:]
-    elif TORCH_IS_CUDA_BUILD:
+    elif not TORCH_IS_CPU_BUILD:
         assert remote.returncode == 0 and f"Minimum kernels version: {meta['kernels-minver']}" in remote.stdout
     else:
-        assert remote.returncode != 0 and variant_refusal(commit) in remote.stderr, remote.stderr[-2000:]
+        assert remote.returncode != 0
+        assert_variant_refusal(remote.stderr, commit)
 
 
-@pytest.mark.parametrize("extra", [False, True], ids=["branch-is-build-only", "branch-has-gitattributes"])
-def test_cache_left_by_an_online_get_kernel(hub_cache, extra):
-    """An online get_kernel(version=1) downloads by commit hash (no refs/v1) and only build/<variant>/*,
-    while huggingface_hub records the whole branch listing. Offline, version=1 then cannot resolve, and
-    revision=<commit> works (0.17: only if the branch holds nothing but what was downloaded)."""
-    files = {p: d for p, d in branch_files().items() if extra or p.startswith("build/")}
-    downloaded = sorted(p for p in files if p.startswith("build/torch-cuda/"))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_machine_loads_its_variant_from_hub_cache_offline(hub_cache, monkeypatch, backend):
+    """What scripts/upload.py puts on the version branch, read back offline on a (simulated) GPU of each
+    backend: `get_kernel(version=1)` and `has_kernel` find that backend's variant."""
+    build_hub_cache(hub_cache, REPO_ID, branch_files(), ref=BRANCH)
+    simulate(monkeypatch, backend)
+    kernel = get_kernel(REPO_ID, version=VERSION)
+    assert loaded_variant(kernel) == f"torch-{backend}" and kernel.__name__.startswith(f"_fused_linear_ce_{backend}_")
+    assert has_kernel(REPO_ID, version=VERSION) is True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_left_by_an_online_get_kernel(hub_cache, monkeypatch, backend):
+    """An online get_kernel(version=1) on a GPU machine downloads by commit hash (no refs/v1) and only
+    its own variant's build/torch-<backend>/*, while huggingface_hub records the whole branch listing
+    (the other variant too, and a Hub repo's .gitattributes). Offline, version=1 then cannot resolve;
+    revision=<commit> loads the downloaded variant under 0.19, while 0.17 wants every listed file in
+    the cache and finds no snapshot."""
+    files = branch_files()
+    downloaded = sorted(p for p in files if p.startswith(f"build/torch-{backend}/"))
     commit, _ = build_hub_cache(hub_cache, REPO_ID, files, ref=None, downloaded=downloaded)
+    simulate(monkeypatch, backend)
     with pytest.raises(ValueError, match=f"Version {VERSION} of '{REPO_ID}' is not available in the local cache"):
         get_kernel(REPO_ID, version=VERSION)
-    if extra and KERNELS_VERSION < (0, 19):  # 0.19 takes the snapshot although the listing names more
+    if KERNELS_VERSION < (0, 19):
         with pytest.raises(FileNotFoundError, match=re.escape(f"Cannot find a local snapshot for {REPO_ID}")):
             get_kernel(REPO_ID, revision=commit)
         assert has_kernel(REPO_ID, revision=commit) is False
-    elif TORCH_IS_CPU_BUILD:
-        with pytest.raises(FileNotFoundError, match=re.escape(variant_refusal(commit))):
-            get_kernel(REPO_ID, revision=commit)
-    elif TORCH_IS_CUDA_BUILD:
-        assert callable(get_kernel(REPO_ID, revision=commit).fused_linear_cross_entropy)
+    else:
+        assert loaded_variant(get_kernel(REPO_ID, revision=commit)) == f"torch-{backend}"

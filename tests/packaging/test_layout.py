@@ -1,4 +1,5 @@
-"""The repo is a valid Hub kernel for `kernels` 0.17.2 and 0.19.1: build.toml, both metadata.json files and build/.
+"""The repo is a valid Hub kernel for `kernels` 0.17.2 and 0.19.1: build.toml, the metadata.json files and
+build/ (a variant per backend: `torch-cuda`, `torch-rocm`).
 
 Files are validated with the loader's own Rust parser (`kernels._rust`), not a copy of its rules.
 """
@@ -22,8 +23,11 @@ from kernels._rust import Backend, Build, Metadata
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "torch-ext" / "fused_linear_ce"
 VARIANT = REPO / "build" / "torch-cuda"
-METADATA_FILES = {"top-level": REPO / "metadata.json", "build": VARIANT / "metadata.json"}
-ID_PATTERN = re.compile(r"_fused_linear_ce_cuda_[0-9a-f]{7}")
+VARIANTS = {"cuda": VARIANT, "rocm": REPO / "build" / "torch-rocm"}
+METADATA_FILES = {"top-level": REPO / "metadata.json", "build": VARIANT / "metadata.json",
+                  "build-rocm": VARIANTS["rocm"] / "metadata.json"}
+BACKEND_OF = {"top-level": Backend.CUDA, "build": Backend.CUDA, "build-rocm": Backend.ROCm}
+ID_PATTERN = re.compile(r"_fused_linear_ce_(cuda|rocm)_[0-9a-f]{7}")
 
 
 def _load_script(name: str):
@@ -45,6 +49,11 @@ def metadata_path(request) -> Path:
     return METADATA_FILES[request.param]
 
 
+@pytest.fixture(params=sorted(VARIANTS), ids=str)
+def backend(request) -> str:
+    return request.param
+
+
 # --- build/ is what scripts/sync_build.py generates -------------------------------------------------
 
 
@@ -62,26 +71,57 @@ def test_sources_are_flat_python_files():
         and "__pycache__" not in p.parts
         and not (p.parent == SOURCE and p.suffix == ".py")
     ]
-    assert not unshippable, f"not copied into build/torch-cuda by scripts/sync_build.py: {unshippable}"
+    assert not unshippable, f"not copied into build/torch-* by scripts/sync_build.py: {unshippable}"
 
 
-def test_build_id_is_derived_from_current_sources():
-    meta = Metadata.read_from_file(VARIANT / "metadata.json")
-    expected = sync_build.kernel_id(json.loads((REPO / "metadata.json").read_bytes()), sync_build.source_files(REPO))
-    assert ID_PATTERN.fullmatch(expected)
-    assert meta.id == expected
-    assert Metadata.read_from_file(REPO / "metadata.json").id == expected
+def test_build_id_is_derived_from_current_sources(backend):
+    variant = VARIANTS[backend]
+    meta = json.loads((variant / "metadata.json").read_bytes())
+    expected = sync_build.kernel_id(meta, sync_build.source_files(REPO))
+    assert ID_PATTERN.fullmatch(expected) and expected.startswith(f"_fused_linear_ce_{backend}_")
+    assert Metadata.read_from_file(variant / "metadata.json").id == expected
 
 
-def test_both_metadata_files_are_identical():
+def test_top_level_metadata_is_the_cuda_variant_s():
+    """A clone's root is a valid CUDA variant metadata for kernels (kernels-layout: keep it valid)."""
     assert (REPO / "metadata.json").read_bytes() == (VARIANT / "metadata.json").read_bytes()
+
+
+def test_a_variant_per_backend_with_the_same_sources():
+    """build/ holds `torch-<backend>` for each of build.toml's backends; each ships every source
+    byte-identical; the variants differ only in what names the backend (metadata, symbols' module)."""
+    backends = _build_toml()["general"]["backends"]
+    assert sorted(p.name for p in (REPO / "build").iterdir() if p.is_dir()) == sorted(f"torch-{b}" for b in backends)
+    assert sorted(VARIANTS) == sorted(backends)
+    sources = sync_build.source_files(REPO)
+    listings = {}
+    for backend, variant in VARIANTS.items():
+        for name, data in sources.items():
+            assert (variant / name).read_bytes() == data, f"{variant.name}/{name}"
+        listings[backend] = set(Metadata.read_from_file(variant / "metadata.json").digest.files)
+        symbols_doc = json.loads((variant / "symbols.json").read_bytes())
+        assert symbols_doc["module"] == Metadata.read_from_file(variant / "metadata.json").id
+    assert listings["cuda"] == listings["rocm"]
+
+
+def test_each_variant_declares_the_record_s_archs(backend):
+    """`backend.archs` of each variant is `archs.declared(backend)` of the package's record, as the
+    package itself sees it (imported, not loaded the way sync_build loads it); ROCm's are gfx names."""
+    from fused_linear_ce import archs
+
+    raw = json.loads((VARIANTS[backend] / "metadata.json").read_bytes())
+    assert raw["backend"] == {"type": backend, "archs": archs.declared(backend)}
+    assert raw["backend"]["archs"], f"no archs declared for {backend}"
+    if backend == "rocm":
+        assert all(re.fullmatch(r"gfx[0-9a-f]+", a) for a in raw["backend"]["archs"])
 
 
 def test_sync_build_check_sync_roundtrip(tmp_path):
     """--check reports a changed source, a stale file and a stale id, writes nothing; sync fixes all."""
     repo = tmp_path / "repo"
     shutil.copytree(SOURCE, repo / SOURCE.relative_to(REPO), ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    for name in ("metadata.json", "build.toml"):
+        shutil.copy(REPO / name, repo / name)
     script = REPO / "scripts" / "sync_build.py"
 
     missing = {line for line in sync_build.check(repo) if line.startswith("missing: ")}
@@ -103,6 +143,8 @@ def test_sync_build_check_sync_roundtrip(tmp_path):
     for line in (
         "differs: build/torch-cuda/__init__.py",
         "differs: build/torch-cuda/metadata.json",
+        "differs: build/torch-rocm/__init__.py",
+        "differs: build/torch-rocm/metadata.json",
         "differs: metadata.json",
         "stale:   build/torch-cuda/removed_module.py",
     ):
@@ -114,6 +156,27 @@ def test_sync_build_check_sync_roundtrip(tmp_path):
     assert not stale.exists()
     new_id = json.loads((repo / "metadata.json").read_bytes())["id"]
     assert new_id != old_id and ID_PATTERN.fullmatch(new_id)
+
+
+def test_sync_build_refuses_a_missing_or_malformed_record(tmp_path):
+    """The variants come from build.toml's backends and archs.py's declared(): either wrong, and
+    sync_build stops with a message naming the file, before anything is generated."""
+    repo = tmp_path / "repo"
+    shutil.copytree(SOURCE, repo / SOURCE.relative_to(REPO), ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("metadata.json", "build.toml"):
+        shutil.copy(REPO / name, repo / name)
+    record = repo / SOURCE.relative_to(REPO) / "archs.py"
+    record.write_text(record.read_text() + "\n\ndef declared(backend):\n    return 'gfx942'\n")
+    with pytest.raises(ValueError, match=r"archs.py: declared\('cuda'\) must be a list of arch names"):
+        sync_build.expected_files(repo)
+    record.unlink()
+    with pytest.raises(FileNotFoundError, match="archs.py is missing"):
+        sync_build.expected_files(repo)
+    toml = repo / "build.toml"
+    toml.write_text(toml.read_text().replace('backends = ["cuda", "rocm"]', 'backends = ["rocm"]'))
+    with pytest.raises(ValueError, match=r"backends \['rocm'\] lack 'cuda'"):
+        sync_build.expected_files(repo)
+    assert not (repo / "build").exists()
 
 
 def test_sync_build_is_deterministic():
@@ -131,7 +194,7 @@ def test_sync_build_is_deterministic():
 
 def test_build_toml_parses_with_kernels_parser():
     build = Build.open(REPO)
-    assert build.general.backends == [Backend.CUDA]
+    assert build.general.backends == [Backend.CUDA, Backend.ROCm]
     config = _build_toml()
     general = config["general"]
     assert general["edition"] == 5
@@ -142,7 +205,8 @@ def test_build_toml_parses_with_kernels_parser():
 def test_metadata_parses_with_kernels_parser(metadata_path):
     meta = Metadata.read_from_file(metadata_path)
     assert ID_PATTERN.fullmatch(meta.id)
-    assert meta.backend.backend_type == Backend.CUDA
+    name = next(k for k, v in METADATA_FILES.items() if v == metadata_path)
+    assert meta.backend.backend_type == BACKEND_OF[name]
 
 
 def test_build_toml_and_metadata_agree(metadata_path):
@@ -152,8 +216,8 @@ def test_build_toml_and_metadata_agree(metadata_path):
     assert str(meta.name) == general["name"] == "fused-linear-ce"
     assert meta.version == general["version"] == 1
     assert meta.license == general["license"] == "apache-2.0"
-    assert [raw["backend"]["type"]] == general["backends"] == ["cuda"]
-    assert Build.open(REPO).general.backends == [meta.backend.backend_type]
+    assert general["backends"] == ["cuda", "rocm"] and raw["backend"]["type"] in general["backends"]
+    assert meta.backend.backend_type in Build.open(REPO).general.backends
 
 
 def test_minver_upstream_and_source(metadata_path):
@@ -248,18 +312,18 @@ print(json.dumps({
 
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("env_case", ["nix-sandbox", "inherited"])
-def test_import_does_not_touch_the_gpu(env_case):
-    """kernel-builder imports the build with get_local_kernel in a sandbox without a GPU."""
+def test_import_does_not_touch_the_gpu(env_case, backend):
+    """kernel-builder imports each variant's build with get_local_kernel in a sandbox without a GPU."""
     env = dict(os.environ)
     if env_case == "nix-sandbox":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_PROBE, str(VARIANT)], capture_output=True, text=True, env=env, timeout=300
-    )
+        [sys.executable, "-c", _IMPORT_PROBE, str(VARIANTS[backend])], capture_output=True, text=True, env=env,
+        timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["module"] == Metadata.read_from_file(VARIANT / "metadata.json").id
+    assert report["module"] == Metadata.read_from_file(VARIANTS[backend] / "metadata.json").id
     assert report["has_api"]
     assert report["cuda_calls"] == [], f"importing the kernel called torch.cuda.{report['cuda_calls']}"
     assert not report["cuda_initialized"]

@@ -25,7 +25,7 @@ import yaml
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import HfHubHTTPError
 from conftest import DEVICE, ON_GPU
-from hub_offline import guarded_env, load_script, refuse_network
+from hub_offline import RecordingHubApi, guarded_env, load_script, refuse_network
 from kernels._rust import Digest, DigestValidationError, Metadata
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,29 +153,10 @@ def test_plan_operations_is_pure_and_carries_the_content(clone):
     assert upload.plan_operations(clone, REMOTE) == upload.plan_operations(clone, REMOTE)
 
 
-class RecordingApi:
-    """Stands in for HfApi: records calls; `BRANCHES` exist, each holding `REMOTE`."""
+class RecordingApi(RecordingHubApi):
+    """The Hub stand-in with both branches holding `REMOTE`."""
 
-    BRANCHES = ["main", "v1"]
-
-    def __init__(self, *args, **kwargs):
-        self.calls: list[tuple[str, dict]] = []
-        RecordingApi.last = self
-
-    def _record(self, name, args, kwargs):
-        self.calls.append((name, {"args": args, **kwargs}))
-
-    def list_repo_refs(self, *args, **kwargs):
-        self._record("list_repo_refs", args, kwargs)
-        branches = [type("Ref", (), {"name": name}) for name in self.BRANCHES]
-        return type("Refs", (), {"branches": branches})
-
-    def list_repo_files(self, *args, **kwargs):
-        self._record("list_repo_files", args, kwargs)
-        return list(REMOTE)
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: self._record(name, args, kwargs)
+    FILES = tuple(REMOTE)
 
 
 def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
@@ -184,11 +165,11 @@ def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
     assert upload.main(["--repo", str(clone), "--token", "hf_test"]) == 0
     calls = RecordingApi.last.calls
     assert [name for name, _ in calls] == [
-        "list_repo_refs", "list_repo_files", "create_repo", "create_commit", "create_commit",
+        "list_repo_refs", "list_repo_files", "create_repo", "create_commit", "list_repo_commits", "create_commit",
     ]
     assert all(kw.get("repo_type") == "kernel" and kw.get("token") == "hf_test" for _, kw in calls)
     assert calls[2][1]["exist_ok"] is True and calls[1][1]["revision"] == "v1"
-    (_, branch_commit), (_, main_commit) = calls[3], calls[4]
+    (_, branch_commit), (_, main_commit) = calls[3], calls[5]
     assert branch_commit["revision"] == "v1" and main_commit["revision"] == "main"
     deleted = [op.path_in_repo for op in branch_commit["operations"] if isinstance(op, CommitOperationDelete)]
     added = [op.path_in_repo for op in branch_commit["operations"] if isinstance(op, CommitOperationAdd)]
@@ -199,8 +180,11 @@ def test_upload_calls_the_hub_api_as_planned(clone, monkeypatch, capsys):
     ]
     assert added == [line.split(" ", 1)[1] for line in branch_lines(clone)]
     card = main_commit["operations"][0]
-    assert card.path_in_repo == "README.md" and card.path_or_fileobj == make_card.render_card(clone).encode()
+    releases = upload.release_history(RecordingApi.last, clone, "trl-lib/fused-linear-ce", "kernel", "hf_test")
+    assert card.path_in_repo == "README.md" and card.path_or_fileobj == make_card.render_card(clone, releases).encode()
     assert branch_commit["commit_message"].startswith("Upload fused-linear-ce v1 from " + git(clone, "rev-parse", "HEAD").strip())
+    pinned = RecordingApi.last.history["v1"][0].commit_id
+    assert f'branch v1 is at commit {pinned}: pin this release with revision="{pinned}"' in capsys.readouterr().out
 
 
 def test_a_new_branch_drops_the_build_files_it_inherits_from_main(clone, monkeypatch, capsys):
@@ -210,7 +194,8 @@ def test_a_new_branch_drops_the_build_files_it_inherits_from_main(clone, monkeyp
     assert upload.main(["--repo", str(clone), "--token", "hf_test"]) == 0
     calls = RecordingApi.last.calls
     assert [name for name, _ in calls] == [
-        "list_repo_refs", "list_repo_files", "create_repo", "create_branch", "create_commit", "create_commit",
+        "list_repo_refs", "list_repo_files", "create_repo", "create_branch", "create_commit", "list_repo_commits",
+        "create_commit",
     ]
     assert calls[1][1]["revision"] == "main" and calls[3][1]["branch"] == "v1"
     lines = capsys.readouterr().out.splitlines()
@@ -359,8 +344,9 @@ def test_digest_leaves_out_what_kernels_leaves_out(tmp_path):
 def test_sync_build_reports_and_fixes_a_stale_digest(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "torch-ext", repo / "torch-ext", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(VARIANT, repo / "build" / "torch-cuda", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "metadata.json", repo / "metadata.json")
+    shutil.copytree(REPO / "build", repo / "build", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("metadata.json", "build.toml"):
+        shutil.copy(REPO / name, repo / name)
     assert sync_build.check(repo) == []
     compat = repo / "build" / "torch-cuda" / "fused_linear_ce" / "__init__.py"
     compat.write_text("# old compat module\n")
@@ -524,16 +510,18 @@ def test_pin_clone_branch(line, pinned):
 
 
 def fake_nix_build(tmp_path: Path) -> Path:
-    """What `nix build .#bundle` leaves: the variant with kernel-builder's own _ops.py, compat module,
-    id and a digest of its own files; benchmarks/ and a CARD.md beside it."""
+    """What `nix build .#bundle` leaves: each variant with kernel-builder's own _ops.py, compat module,
+    id and a digest of its own files; benchmarks/ and a CARD.md beside them."""
     result = tmp_path / "result"
-    variant = result / "torch-cuda"
-    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
-    (variant / "_ops.py").write_text("import torch\nops = torch.ops._fused_linear_ce_cuda_0123abc\n")
-    (variant / "fused_linear_ce" / "__init__.py").write_text("# kernel-builder's compat module\nfrom .. import *\n")
-    meta = json.loads((variant / "metadata.json").read_text())
-    meta.update(id="_fused_linear_ce_cuda_0123abc", digest=sync_build.hash_variant(variant))
-    (variant / "metadata.json").write_text(json.dumps(meta, indent=2))
+    for committed in sorted(p for p in (REPO / "build").iterdir() if p.is_dir()):
+        variant = result / committed.name
+        backend_id = f"_fused_linear_ce_{committed.name.removeprefix('torch-')}_0123abc"
+        shutil.copytree(committed, variant, ignore=shutil.ignore_patterns("__pycache__"))
+        (variant / "_ops.py").write_text(f"import torch\nops = torch.ops.{backend_id}\n")
+        (variant / "fused_linear_ce" / "__init__.py").write_text("# kernel-builder's compat module\nfrom .. import *\n")
+        meta = json.loads((variant / "metadata.json").read_text())
+        meta.update(id=backend_id, digest=sync_build.hash_variant(variant))
+        (variant / "metadata.json").write_text(json.dumps(meta, indent=2))
     shutil.copytree(REPO / "benchmarks", result / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "results"))
     (result / "CARD.md").write_text("card\n")
     return result
@@ -544,11 +532,12 @@ def test_dry_run_uploads_the_nix_build(clone, tmp_path, env):
     proc = run_upload(clone, "--dry-run", "--build-dir", str(result), env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "upload build/torch-cuda/_ops.py" in lines and "upload build/torch-cuda/metadata.json" in lines
     assert not [line for line in lines if "CARD.md" in line or "build/benchmarks" in line]
     ops = upload.plan_operations(clone, [], build_dir=result)
-    meta = next(op for op in ops if op.path == "build/torch-cuda/metadata.json")
-    assert meta.source == result / "torch-cuda" / "metadata.json"
+    for variant in ("torch-cuda", "torch-rocm"):
+        assert f"upload build/{variant}/_ops.py" in lines and f"upload build/{variant}/metadata.json" in lines
+        meta = next(op for op in ops if op.path == f"build/{variant}/metadata.json")
+        assert meta.source == result / variant / "metadata.json"
 
 
 def test_refuses_a_nix_build_that_drifted_or_has_a_stale_digest(clone, tmp_path, env):

@@ -167,7 +167,7 @@ class _Dlogits:
             BIAS_GRAD=bias_grad,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
             EVEN_H=h % cfg.block_h == 0, TMA=self.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **device.logit_flags(hidden.dtype),
+            **device.logit_flags(hidden.dtype, hidden.device),
         )
         return dlogits[:r, :c]
 
@@ -385,7 +385,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     grad_hidden is summed over its group in fp32 (every rank gets the full grad_hidden); grad_weight
     and grad_bias are the shard's own.
     ``cfg``: the dlogits kernel's tiles, else the table's or, with autotuning on, the fastest for
-    this shape (``autotune.tiles``). ``dw_dtype`` float32 (an fp32 master weight, ``weight`` its
+    this shape (``autotune.choose``). ``dw_dtype`` float32 (an fp32 master weight, ``weight`` its
     16-bit copy): grad_weight is fp32, and the products sum into it directly, never rounded to 16
     bits (a grad_weight summed over token blocks needs no other V x H buffer).
     Returns (grad_hidden, grad_weight, grad_bias), None where not needed."""
@@ -393,7 +393,7 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     v = weight.shape[0]
     needs = (need_dx, need_dw, need_db)
     if cfg is None:
-        cfg = autotune.tiles("dlogits", hidden, v, lambda c: backward(
+        cfg = autotune.choose("dlogits", hidden, v, lambda c: backward(
             hidden, weight, targets, bias, class_weight, lse2, coef, opts, *needs, shard, common, cfg=c,
             dw_dtype=dw_dtype),
             opts.chunk_bytes, shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts, *needs))
