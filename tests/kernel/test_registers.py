@@ -5,7 +5,7 @@ the newest release.
 
 Held at 0 bytes of stack (``ZERO``): the kernels whose epilogues were slimmed so that a tile's
 softmax epilogue could overlap the next tile's products (warp specialisation, benchmarks/NOTES.md
-v11-v29) and that every Triton tested compiles without a spill (3.6.0, 3.8.0, 3.9.0): the sweep with
+v11-v29) and that every Triton tested compiles without a spill (3.6.0 to 3.9.0): the sweep with
 and without the metrics and every per-token field, on a ragged last tile too; dlogits with the
 entropy gradient; the chunked sweep with a softcap and a bias (its own 128 x 128 tiles,
 ``configs.chunked_epilogue``); the chunked path's in-place gradient kernels; every matmul use whose
