@@ -33,5 +33,7 @@ fi
 # What the tests will run with (docs/testing.md lists the versions tested).
 "$PYTHON" -c "
 import torch, triton
-build = f'CUDA {torch.version.cuda}' if torch.version.cuda else f'ROCm {torch.version.hip}' if torch.version.hip else 'CPU'
-print(f'setup_env: torch {torch.__version__} ({build} build, GPU: {torch.cuda.is_available()}), triton {triton.__version__}')"
+v = torch.version
+build = f'CUDA {v.cuda}' if v.cuda else f'ROCm {v.hip}' if v.hip else 'CPU'
+gpu = torch.cuda.is_available()
+print(f'setup_env: torch {torch.__version__} ({build} build, GPU: {gpu}), triton {triton.__version__}')"
