@@ -58,7 +58,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from fused_linear_ce import configs, fused_linear_cross_entropy, reference  # noqa: E402
+from fused_linear_ce import fused_linear_cross_entropy, plan, reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_json  # noqa: E402 - benchmarks/results_json.py
@@ -522,7 +522,7 @@ def run_dist(shape, dist, methods, args, device, meta, rows, t0):
                    extra_mib=None, loss_rel=None, dx_rel=None, dw_rel=None, tflops=None, error=None)
         if method.startswith("flce"):
             kw = fn.keywords if isinstance(fn, partial) else {}
-            row["chunk_bytes"] = kw.get("chunk_bytes", configs.DEFAULT_CHUNK_BYTES)
+            row["chunk_bytes"] = kw.get("chunk_bytes", plan.DEFAULT_CHUNK_BYTES)
             row["strategy"] = kw.get("strategy", "auto")
         try:
             if method == "torch" and device.type == "cuda" and 12 * n * v > torch.cuda.mem_get_info()[0]:
@@ -583,7 +583,7 @@ def main(argv=None):
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = dict(gpu=name, **versions(), date=date, **results_json.provenance(),
                 args={k: x for k, x in vars(args).items() if k != "shape_list"},
-                default_chunk_bytes=configs.DEFAULT_CHUNK_BYTES,
+                default_chunk_bytes=plan.DEFAULT_CHUNK_BYTES,
                 reference=f"reference.chunked_linear_cross_entropy, fp32 logits, {args.ref_precision} matmuls",
                 peak_tflops=PEAK_TFLOPS, notes=notes, skipped=[], data={})
     run = {k: meta.get(k) for k in results_json.RUN_KEYS}

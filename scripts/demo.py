@@ -91,7 +91,7 @@ def main():
     print(f"{'float64 reference':18s} {ref_loss.item():10.6f} {ref_metrics['mean_token_accuracy'].item():9.4f} "
           f"{ref_metrics['entropy'].item():9.4f}")
     if not ON_GPU:
-        plan = kernel.configs.plan_backward(n, v, h, dtype, None, 16, 256)
+        plan = kernel.backward_passes.plan_backward(n, v, h, dtype, None, 16, 256)
         print(f"\nCPU, no allocator statistics; (N, V)-sized temporaries by shape: plain torch holds the "
               f"{args.dtype} logits, their fp32 copy and its gradient: {n * v * (dtype.itemsize + 8) / mib:.1f} MiB; "
               f"fused-linear-ce holds a {plan.rows} x {plan.cols} gradient block: "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs one slice of the test suite on a CUDA machine, sized for one 10-minute device command
-# (docs/testing.md). The slices are pytest markers that tests/conftest.py assigns by file and test name:
+# (docs/testing.md). The slices are pytest markers that tests/gpu_plan.py assigns: shards packed from
+# tests/gpu_durations.json, the tier from the `tier` / `tier_if` markers on the tests.
 #
 #   bash scripts/gpu_tests.sh all         # the whole suite; with GPU_TESTS_WORKERS=12 (pytest-xdist) 5.5 min measured
 #   bash scripts/gpu_tests.sh tier        # `-m tier`: every kernel path, each dtype, realistic sizes (~6-7 min est.)
@@ -10,8 +11,8 @@
 #
 # Logs go to $OUT/gpu_tests/ when OUT is set (the device machine's result folder), else to
 # ${TMPDIR:-/tmp}/fused_linear_ce_gpu_tests/: pytest.log (output, with --durations=0), junit.xml,
-# file_durations.txt (measured seconds per test file: the numbers to put in conftest.GPU_SECONDS)
-# and env.txt (GPU, driver, torch/triton versions).
+# file_durations.txt (measured seconds per test file), after `all` gpu_durations.json (tests/gpu_durations.json
+# with the files this run measured: copy it over that file) and env.txt (GPU, driver, torch/triton versions).
 #
 # Nothing is installed (the device machine has no network): the python3 on PATH (or $PYTHON) must
 # already have torch with CUDA, triton, kernels and pytest. pytest runs under `timeout -s INT` (default
@@ -24,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 usage() {
-    sed -n '2,10p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,11p' "${BASH_SOURCE[0]}" >&2
     exit 2
 }
 
@@ -38,7 +39,7 @@ case "$mode" in
     shard)
         n=${1:-}
         shift || true
-        shards=$("$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); import conftest; print(conftest.GPU_SHARDS)" 2>/dev/null) || shards=11
+        shards=$("$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); import gpu_plan; print(gpu_plan.SHARDS)")
         if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt "$shards" ]; then
             echo "gpu_tests.sh: shard N needs N in 1..$shards" >&2
             exit 2
@@ -58,24 +59,7 @@ mkdir -p "$LOG_DIR"
 if [ "$mode" = plan ]; then
     TRITON_INTERPRET=${TRITON_INTERPRET:-1} "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider \
         --gpu-plan-json "$LOG_DIR/plan.json" "$@" >/dev/null || true
-    exec "$PYTHON" - "$LOG_DIR/plan.json" <<'EOF'
-import collections, json, sys
-sys.path.insert(0, "tests")
-import conftest
-plan = json.load(open(sys.argv[1]))
-per_file = collections.Counter(v["file"] for v in plan.values())
-shards, counts, tier, tier_n = collections.defaultdict(float), collections.Counter(), 0.0, 0
-for v in plan.values():
-    s = conftest._file_seconds(v["file"]) / per_file[v["file"]]
-    shards[v["shard"]] += s
-    counts[v["shard"]] += 1
-    if v["tier"]:
-        tier, tier_n = tier + s, tier_n + 1
-print(f"plan: {sys.argv[1]} ({len(plan)} tests, estimated {sum(shards.values()) / 60:.0f} min serial on one H200)")
-print(f"tier:    {tier_n:4d} tests, ~{tier:4.0f} s + ~{conftest.GPU_STARTUP_S} s start-up")
-for k in sorted(shards):
-    print(f"shard{k}:  {counts[k]:4d} tests, ~{shards[k]:4.0f} s + ~{conftest.GPU_STARTUP_S} s start-up")
-EOF
+    exec "$PYTHON" tests/gpu_plan.py summary "$LOG_DIR/plan.json"
 fi
 
 if [ -n "${GPU_TESTS_ALLOW_CPU:-}" ]; then
@@ -99,6 +83,8 @@ workers=()
 if [ -n "${GPU_TESTS_WORKERS:-}" ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
     workers=(-n "$GPU_TESTS_WORKERS")
 fi
+how=${workers[*]:+"$GPU_TESTS_WORKERS pytest-xdist workers sharing the GPU"}
+how=${how:-serial}
 
 start=$(date +%s)
 timeout -s INT -k 20 "${GPU_TESTS_TIMEOUT_S:-570}" \
@@ -110,17 +96,12 @@ if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "gpu_tests.sh: stopped by the ${GPU_TESTS_TIMEOUT_S:-570} s timeout: the slice is too large, see docs/testing.md" | tee -a "$LOG_DIR/pytest.log"
 fi
 
-# Measured seconds per test file (setup + call + teardown), for conftest.GPU_SECONDS.
-"$PYTHON" - "$LOG_DIR/junit.xml" >"$LOG_DIR/file_durations.txt" 2>&1 <<'EOF' || true
-import collections, sys, xml.etree.ElementTree as ET
-seconds, counts = collections.defaultdict(float), collections.Counter()
-for case in ET.parse(sys.argv[1]).iter("testcase"):
-    name = case.get("classname", "").split(".")[-1] + ".py"
-    seconds[name] += float(case.get("time", 0) or 0)
-    counts[name] += 1
-for name in sorted(seconds, key=seconds.get, reverse=True):
-    print(f"{name:32s} {seconds[name]:8.1f} s  {counts[name]:4d} tests")
-print(f"{'total':32s} {sum(seconds.values()):8.1f} s  {sum(counts.values()):4d} tests")
-EOF
+# Measured seconds per test file (setup + call + teardown); gpu_durations.json: the next tests/gpu_durations.json.
+"$PYTHON" tests/gpu_plan.py files "$LOG_DIR/junit.xml" >"$LOG_DIR/file_durations.txt" 2>&1 || true
 cat "$LOG_DIR/file_durations.txt"
+if [ "$mode" = all ]; then  # a slice runs part of a cut file: only a whole run measures every file
+    "$PYTHON" tests/gpu_plan.py durations "$LOG_DIR/junit.xml" \
+        --measured "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) $(date -u +%F): $how" \
+        >"$LOG_DIR/gpu_durations.json" || true
+fi
 exit "$rc"

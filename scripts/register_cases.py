@@ -71,7 +71,7 @@ class _Builder:
         sweep, dlogits, mm = self.sweep, self.dlogits, self.mm
         logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_H=sweep.block_h, EVEN_H=True, BF16_EMULATION=False,
                      INPUT_PRECISION=precision(target), TMA=self.tma)
-        self.forward = dict(logit, METRICS=False, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False,
+        self.forward = dict(logit, METRICS=False, SUM_Z=False, SQUARES=False, HAS_CLASS_WEIGHT=False,
                             BLOCK_N=sweep.block_n, BLOCK_V=sweep.block_v, EVEN_V=True, STORE_E=False, E_TMA=False,
                             E_T=False, GROUP_M=0, SKIP_IGNORED=True)
         self.backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False,
@@ -160,7 +160,7 @@ def _logit_cases(b: _Builder) -> list[Case]:
         b.chunked_sweep("chunked sweep, metrics", METRICS=True),
         b.chunked_sweep("chunked sweep, softcap and bias", configs.chunked_epilogue(b.chunked, True, True),
                         HAS_SOFTCAP=True, HAS_BIAS=True),
-        b.sweep_case("sweep, every per-token field", METRICS=True, SMOOTHING=True, SQUARES=True, EVEN_V=False),
+        b.sweep_case("sweep, every per-token field", METRICS=True, SUM_Z=True, SQUARES=True, EVEN_V=False),
         b.dlogits_case("dlogits", HAS_BIAS=False, BIAS_GRAD=False),
         b.dlogits_case("dlogits, bias gradient", HAS_BIAS=True, BIAS_GRAD=True),
         b.dlogits_case("dlogits, entropy gradient", ENTROPY_GRAD=True, HAS_BIAS=False, BIAS_GRAD=False),
@@ -243,7 +243,7 @@ def fp32_cases(target: str = "90", fam: str = "sm90") -> list[Case]:
     mm = configs.matmul_config(torch.float32, where=fam)
     logit = dict(HAS_BIAS=False, HAS_SOFTCAP=False, BLOCK_N=sw.block_n, BLOCK_V=sw.block_v, BLOCK_H=sw.block_h,
                  EVEN_H=True, BF16_EMULATION=False, INPUT_PRECISION=precision(target), TMA=False, GROUP_M=sw.group_m)
-    forward = dict(logit, METRICS=True, SMOOTHING=False, SQUARES=False, HAS_CLASS_WEIGHT=False, EVEN_V=False,
+    forward = dict(logit, METRICS=True, SUM_Z=False, SQUARES=False, HAS_CLASS_WEIGHT=False, EVEN_V=False,
                    STORE_E=False, E_TMA=False, E_T=False, SKIP_IGNORED=True)
     backward = dict(logit, SMOOTHING=False, ENTROPY_GRAD=False, HAS_CLASS_WEIGHT=False, HAS_BIAS=True,
                     BIAS_GRAD=True)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conftest import CAP, DEVICE, TOL, reference, rel_err
-from fused_linear_ce import chunked, fused_linear_cross_entropy
+from fused_linear_ce import fused_linear_cross_entropy, plan
 from fused_linear_ce.validate import Options
 
 # The chunked path rounds each non-target entry of the logits' gradient twice (exp(z - m_tile) into
@@ -129,13 +129,14 @@ def plain(case: Case, hidden, weight, bias, targets, compute_dtype):
 
 
 def runs_chunked(case: Case) -> bool:
-    """Whether ``ours(case, ...)`` takes the chunked path (``chunked.use`` on the case's options)."""
+    """Whether ``ours(case, ...)`` forms the gradients in the forward (``plan.plan_loss``)."""
     opts = Options(ignore_index=case.ignore_index, logit_scale=case.logit_scale, softcap=case.softcap,
                    reduction=case.reduction, label_smoothing=case.label_smoothing, z_loss=case.z_loss,
                    return_lse=case.extra.get("return_lse", False), chunk_bytes=case.chunk_bytes,
                    strategy=case.extra.get("strategy", "auto"))
     needs = tuple(k in case.grad and (k != "bias" or case.bias) for k in ("hidden", "weight", "bias"))
-    return chunked.use(opts, case.n, case.v, case.h, case.dtype, needs)
+    return plan.plan_loss(opts, case.n, case.v, case.h, case.dtype, needs,
+                          bias=case.bias).mode in plan.GRADIENTS_IN_FORWARD
 
 
 def check_three_way(case: Case, inputs=None, floor=None):
@@ -171,18 +172,18 @@ def check_three_way(case: Case, inputs=None, floor=None):
 
 
 def long_context_at(monkeypatch, chunk: int) -> list:
-    """"auto"'s long-context plan on a small case: ``chunked.long_context_budget`` gives ``chunk``
+    """"auto"'s long-context plan on a small case: ``plan._long_context_budget`` gives ``chunk``
     bytes wherever its rules take S4 (65536 x 4096 x 128256) for this call's options, dtype and
     gradients. Returns the list each ``products.compensated`` call appends to: (remainder dtype,
     remainder shape, accumulate)."""
     from fused_linear_ce import products
 
-    real = chunked.long_context_budget
+    real = plan._long_context_budget
 
-    def small(opts, n, v, h, dtype, needs, master, sharded, where=None):
-        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded, where) is None else chunk
+    def small(opts, n, v, h, dtype, needs, master, sharded, dlogits):
+        return None if real(opts, 65536, 128256, 4096, dtype, needs, master, sharded, dlogits) is None else chunk
 
-    monkeypatch.setattr(chunked, "long_context_budget", small)
+    monkeypatch.setattr(plan, "_long_context_budget", small)
     lows, original = [], products.compensated
 
     def spy(a, b, hi, lo, accumulate, unscale=None, role="product"):

@@ -3,9 +3,14 @@
 D2 peaked, the step itself three times, the row kernel's da against torch's, and the Triton products
 of da (a view with row stride 2V inside the teacher's fp32 buffer) against cuBLAS on an fp32 copy
 and against the Triton products of a contiguous copy; then the row kernel's time with da for each beta.
-Prints the table last."""
+Prints the table last.
 
-import os
+One GPU call:
+
+    python3 benchmarks/experiments/experiment_distill_fast_errors.py --shape D2 --beta 0
+"""
+
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +28,11 @@ def rel(a, b):
 
 
 def main():
-    shape, beta = os.environ.get("SHAPE", "D2"), float(os.environ.get("BETA", "0"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="D2", choices=list(distill_cases.SHAPES))
+    ap.add_argument("--beta", type=float, default=0.0, help="the divergence's beta (0: forward KL)")
+    args = ap.parse_args()
+    shape, beta = args.shape, args.beta
     torch.backends.cuda.matmul.allow_tf32 = False
     data = distill_cases.make_data(shape, "peaked", "cuda", seed=0)
     ref = distill_cases.reference(data, beta)[0]
@@ -49,7 +58,7 @@ def main():
         want = None
     del ls, lt
     opts = Options()
-    spec = Spec(beta=beta, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=1 << 40)
+    spec = Spec(beta=beta, student=opts, teacher=opts, reduction="mean")
     counted = torch.ones(n, dtype=torch.int8, device="cuda")
     coef = torch.zeros((2, n), dtype=torch.float32, device="cuda")
     coef[0] = 1.0
@@ -78,7 +87,7 @@ def main():
             print(lines[-1], flush=True)
     import triton.testing
     for b in (1.0, 0.5, 0.0):
-        spec_b = Spec(beta=b, student=opts, teacher=opts, reduction="mean", strategy="chunked", chunk_bytes=1 << 40)
+        spec_b = Spec(beta=b, student=opts, teacher=opts, reduction="mean")
         ms = triton.testing.do_bench(lambda: divergence._launch(
             zs, zt, da, (None, None), None, counted, coef, stats, out, 0, n, spec_b, values=True, write_da=True,
             stats_known=False, dtype=torch.bfloat16), warmup=5, rep=100, return_mode="median")

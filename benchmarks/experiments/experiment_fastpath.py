@@ -9,9 +9,9 @@ torch.compile does not, at S1-S3. One GPU call.
 - Whole steps side by side (interleaved rounds): ours, torch.compile, ``--variants`` patched into
   the package (``VARIANTS``), and with ``--base`` another copy of the package (ab.py's).
 
-Run 1 had ``gluon_store_e.patch`` applied (its ``gluon-e`` variant: the chunked sweep as the Hopper
-ping-pong kernel; the patch is at commit 3502f5a,
-``git show 3502f5a:benchmarks/results/fastpath/gluon_store_e.patch``); run 2 is v31 (split K, the
+Run 1 (NOTES v31) had ``gluon_store_e.patch`` applied and a ``gluon-e`` variant for it (the chunked
+sweep as the Hopper ping-pong kernel, refuted); the patch and that script are at commit 3502f5a
+(``git show 3502f5a:benchmarks/results/fastpath/gluon_store_e.patch``). Run 2 is v31 (split K, the
 in-place factor of 1) against the package before it:
 
     python3 benchmarks/experiments/experiment_fastpath.py --out $OUT/fastpath
@@ -19,11 +19,8 @@ in-place factor of 1) against the package before it:
 """
 
 import collections
-import contextlib
 import json
-import os
 import sys
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -36,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fused_linear_ce  # noqa: E402
 from bench import WHOLE, make_data  # noqa: E402
 from experiment_common import against_compile, kernel_sequence, parse_args, reference, timed  # noqa: E402
-from fused_linear_ce import configs, gemm  # noqa: E402
+from fused_linear_ce import gemm  # noqa: E402
 
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (8192, 2304, 256000), "S3": (16384, 2048, 151936)}
 WHOLE_KW = dict(strategy="chunked", chunk_bytes=WHOLE)
@@ -63,18 +60,7 @@ def _no_split():
     return lambda: setattr(gemm, "split_k", real)
 
 
-def _gluon_e():
-    """Run 1 only (``gluon_store_e.patch`` applied, at commit 3502f5a): the chunked sweep as the Hopper
-    ping-pong kernel (STORE_E) at every H (its bucket opened)."""
-    opened = contextlib.ExitStack()
-    opened.enter_context(configs.override("sm90", pingpong=replace(configs.pingpong(1), max_h_e=1 << 20)))
-    os.environ.pop("FUSED_LINEAR_CE_PINGPONG", None)
-    return opened.close
-
-
 VARIANTS = {"dx-cublas": _dx_on_cublas, "no-split": _no_split}
-if hasattr(configs.PingpongConfig, "max_h_e"):  # the patch of run 1
-    VARIANTS["gluon-e"] = _gluon_e
 BASE = {}  # --base: another copy of the package, as "base" (ab.py's load_copy)
 
 
@@ -156,12 +142,8 @@ def main():
                 rec["products"] = products_alone(hidden, weight, args.rep)
                 for key, ms in rec["products"].items():
                     print(f"{name} {key:22s} {ms:8.3f} ms", flush=True)
-                for label, fn in (("ours", ours), ("compile", compiled), *(("gluon-e", ours),) * ("gluon-e" in VARIANTS)):
-                    undo = VARIANTS[label]() if label in VARIANTS else (lambda: None)
-                    try:
-                        seq = kernel_sequence(stepper(fn, hidden, weight, targets))
-                    finally:
-                        undo()
+                for label, fn in (("ours", ours), ("compile", compiled)):
+                    seq = kernel_sequence(stepper(fn, hidden, weight, targets))
                     rec["profiles"][label] = seq
                     print(f"\n{name} {label}: {sum(ms for _, ms in seq):.2f} ms of kernels", flush=True)
                     for kname, ms in seq:

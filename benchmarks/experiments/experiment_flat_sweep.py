@@ -12,12 +12,12 @@ plain loss only, row-major exponentials through a descriptor, what the fast path
 - Whole fast-path steps side by side (interleaved rounds): ours, ours with the flat sweep patched
   into ``sweep._triton_sweep`` at the shipped 128 x 128 tiles, torch.compile.
 
-Run 2 (default, ``results/flat/run2.*``, with ``flat_sweep.patch`` applied, at commit 3502f5a: the
-package's own persistent sweep, ``flat_sweep.py``, since removed) under each chunked-sweep config
-(``_configs``: the 128 x 128 one-tile grid, the same grid at 128 x 256 with 8 warps, the persistent
-kernel at 128 x 256 with and without its compaction of ignored row blocks): errors against the fp32
-reference, the sweep alone, whole steps interleaved with torch.compile, and at the first shape a batch
-whose every other 512 rows are ignored.
+Run 2 (default, ``results/flat/run2.*``) under each chunked-sweep config (``_configs``: the 128 x 128
+one-tile grid and the same grid at 128 x 256 with 8 warps): errors against the fp32 reference, the
+sweep alone, whole steps interleaved with torch.compile, and at the first shape a batch whose every
+other 512 rows are ignored. The recorded run 2 also timed a persistent flattened sweep in the package
+with and without its compaction of ignored row blocks (NOTES v32, refuted): that kernel's patch,
+``flat_sweep.patch``, and this script's branches for it are at commit 3502f5a.
 
     python3 benchmarks/experiments/experiment_flat_sweep.py --out $OUT/flat [--run 1]
 
@@ -27,7 +27,6 @@ On the CPU (``TRITON_INTERPRET=1``) ``--check`` runs only run 1's bit-for-bit co
 import collections
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -296,24 +295,16 @@ def run1(args):
 
 
 # Run 2: the package's chunked sweep under each tile config (``configs.override(chunked=...)``):
-# the 128 x 128 one-tile grid (v13), the same grid at 128 x 256 w8 (shipped since), and with
-# ``flat_sweep.patch`` applied (run 2 was on it; at commit 3502f5a) the persistent flattened kernel
-# (``flat_sweep``) at 128 x 256 w8, with its compaction of ignored row blocks and without.
+# the 128 x 128 one-tile grid (v13) and the same grid at 128 x 256 w8 (shipped since).
 def _configs():
     wide = configs.TileConfig(block_n=128, block_v=256, block_h=64, group_m=16, num_warps=8, num_stages=3)
-    out = {"t128": replace(wide, block_v=128, num_warps=4), "wide": wide}
-    if hasattr(configs, "_GPU_CHUNKED_FLAT"):  # the patch
-        out.update({"flat": configs._GPU_CHUNKED_FLAT, "flat-nocompact": configs._GPU_CHUNKED_FLAT})
-    return out
+    return {"t128": replace(wide, block_v=128, num_warps=4), "wide": wide}
 
 
 def _use(label, cfgs):
     """Makes the package run ``label`` (``configs.override``); returns the undo."""
     held = contextlib.ExitStack()
     held.enter_context(configs.override(chunked=cfgs[label]))
-    if label == "flat-nocompact":  # every row block computed (the same results where none is ignored)
-        held.callback(setattr, sweep, "skip_ignored", sweep.skip_ignored)
-        sweep.skip_ignored = lambda opts: False
     return held.close
 
 

@@ -5,7 +5,7 @@ pair's 1 GiB chunks (issue 22's target 2 setting, 1.5 GiB in all) and Liger, at 
 int8 one takes 501) buy enough larger chunks within 1.5 GiB to clear 1.1x Liger with a margin, and at
 what cost in dW error?
 
-The budgets past 512 MiB are not a package setting: ``chunked.long_context_budget`` is replaced here
+The budgets past 512 MiB are not a package setting: ``plan._long_context_budget`` is replaced here
 to return them (``budget - V x H / 2`` of chunk), the rest of the path unchanged. Per variant: extra
 peak memory, dX / dW errors against bench.py's fp32-logit reference, and fwd+bwd ms, the medians of
 interleaved rounds. Prints a table last; writes lean_budgets.json under --out.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import gpu_name, make_data, reference_and_stats, rel, versions  # noqa: E402
 
 import fused_linear_ce  # noqa: E402
-from fused_linear_ce import chunked, plan  # noqa: E402
+from fused_linear_ce import plan  # noqa: E402
 
 MiB = 1 << 20
 N, H, V = 65536, 4096, 128256
@@ -39,18 +39,18 @@ LEAN = {"lean-512M (default)": None, "lean-768M": 768 * MiB, "lean-1G": 1024 * M
 
 def lean_runner(total):
     """The default call with the long-context plan's total budget ``total`` (None: the package's)."""
-    real = chunked.long_context_budget
+    real = plan._long_context_budget
 
-    def budget(opts, n, v, h, dtype, needs, master, sharded):
-        got = real(opts, n, v, h, dtype, needs, master, sharded)
+    def budget(opts, n, v, h, dtype, needs, master, sharded, dlogits):
+        got = real(opts, n, v, h, dtype, needs, master, sharded, dlogits)
         return got if got is None or total is None else total - v * ((h + 1) // 2)
 
     def call(hidden, weight, targets):
-        chunked.long_context_budget = budget
+        plan._long_context_budget = budget
         try:
             return fused_linear_ce.fused_linear_cross_entropy(hidden, weight, targets)
         finally:
-            chunked.long_context_budget = real
+            plan._long_context_budget = real
 
     return call
 

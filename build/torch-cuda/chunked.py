@@ -1,7 +1,7 @@
 """The chunked path: the gradients are computed in the forward, three products instead of four.
 
 For "mean" and "sum" the upstream gradient is one scalar g, so the logits' gradient is known up to
-g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.chunk_rows``):
+g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.Plan.rows``):
 
 1. the sweep (``lse_sweep_kernel``, one tile per split, STORE_E) computes each logit tile once in
    fp32 and writes ``exp(z - m_tile)`` into the chunk's (R, V) buffer, with the per-tile statistics
@@ -17,15 +17,15 @@ g as soon as a row's log-sum-exp is. Per chunk of rows (``plan.chunk_rows``):
 The backward then only multiplies by g (exact when g is a power of two, as 1 is). With more than one
 chunk, a bf16 grad_weight is summed across them as a compensated pair, itself and an int8 V x H
 remainder (``products.compensated``: ~16 bits of the running sum, V x H bytes where an fp32 buffer
-took 4; "auto" at long context: a 4-bit remainder, V x H / 2 bytes, ~12 bits, ``long_context_budget``);
+took 4; "auto" at long context: a 4-bit remainder, V x H / 2 bytes, ~12 bits, ``plan.LONG_CONTEXT``);
 an fp32 one (fp16's unit gradients, an fp32 master weight) is its own accumulator, and
 a master weight's with bf16 products is summed unscaled by cuBLAS and scaled once at the end. The
 logits are never rounded before the softmax.
 
 grad_weight's memory holds nothing before the first chunk's product: where N fits there (N elements
 of the input dtype in a row of grad_weight) the whole call is one chunk class-major in it
-(``hosted_slab_rows``); where N does not, the first chunk is that many rows, hosted the same way, and
-the rest follow in chunks of the budget's rows (``plan.hosted_head``: fewer chunks, each of which
+(``plan.HOSTED``); where N does not, the first chunk is that many rows, hosted the same way, and
+the rest follow in chunks of the budget's rows (``plan.Plan.head_rows``: fewer chunks, each of which
 sums into grad_weight once more).
 
 The rounding of da (``softmax_gradient_kernel``): the sweep leaves, for every element of a chunk of
@@ -43,77 +43,17 @@ bf16, against 2^-9 for a single rounding; its logit itself was never rounded. fp
 fp16: subnormal below 6e-5 of the tile max, an absolute error under 3e-8 of the tile's largest entry.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from . import autotune, configs, device, losses, pairs, parallel, plan, products, sweep
+from . import autotune, configs, device, losses, pairs, parallel, products, sweep
 from .logits import label_terms, softcap_grad, store_dlogits
+from .plan import HOSTED, LONG_CONTEXT, Plan
 from .sweep import RowStats
-from .validate import Options, chunked_unsupported
-
-
-def use(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool = False,
-        sharded: bool = False, where: torch.device | None = None) -> bool:
-    """Whether this call takes the chunked path: only when a gradient is wanted; always with
-    strategy="chunked" (validated), never with "recompute"; with "auto" when the options allow it
-    and either the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk, no fp32 accumulator), or
-    the weight is an fp32 master weight (``master``: its fp32 gradient is the accumulator, so any
-    number of chunks costs only the chunk's buffer), or the call is long context
-    (``long_context_budget``). ``sharded``: a vocabulary shard (``process_group``); ``where``: the
-    device (its family's tiles, ``configs.tables``)."""
-    if not any(needs) or opts.strategy == "recompute":
-        return False
-    if opts.strategy == "chunked":
-        return True
-    if chunked_unsupported(opts) is not None:
-        return False
-    return (master or whole_fits(opts, n, v, dtype)
-            or hosted_slab_rows(opts, n, v, h, dtype, needs[1], master) is not None
-            or long_context_budget(opts, n, v, h, dtype, needs, master, sharded, where) is not None)
-
-
-def whole_fits(opts: Options, n: int, v: int, dtype: torch.dtype) -> bool:
-    """Whether the whole (N, V) buffer fits in ``chunk_bytes`` beside the gradients (one chunk)."""
-    return n * v * dtype.itemsize <= plan.chunk_budget(opts.chunk_bytes, chunked=True)
-
-
-def hosted_slab_rows(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, need_dw: bool,
-                     master: bool) -> int | None:
-    """The slab rows (``plan.hosted_slab_rows``) when this call runs in one chunk whose (N, V) buffer
-    lives in grad_weight's memory: grad_weight is wanted, the whole buffer does not fit in
-    ``chunk_bytes`` beside it, and N elements of the input dtype fit in a row of grad_weight
-    (``weight_grad_dtype``; ``master``: an fp32 master weight). Else None."""
-    if not need_dw or whole_fits(opts, n, v, dtype):
-        return None
-    dw_dtype = torch.float32 if master else unit_dtype(dtype)
-    return plan.hosted_slab_rows(n, v, h, dtype, dw_dtype, opts.chunk_bytes)
-
-
-def long_context_budget(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, master: bool,
-                        sharded: bool, where: torch.device | None = None) -> int | None:
-    """The chunk budget when "auto" takes the chunked path for long context, else None: bf16 (not
-    an fp32 master weight, not a vocabulary shard), options the chunked path takes, more than one
-    chunk, and a shape at which the recompute path's default would hold no fp32 accumulator
-    (``plan.plan_passes`` at the default budget gives the paired plan or two passes: V < 2N and N x H
-    past the hosted plan's budget, as at 65536 x 4096 x 128256). There the chunked path sums
-    grad_weight across chunks as a bf16 + 4-bit pair and takes chunks of rows in the rest of
-    ``chunk_bytes`` (default DEFAULT_PAIRED_BYTES, the paired plan's 512 MiB;
-    ``plan.lean_chunk_bytes``, None where fewer than 1024 rows fit: then the recompute path within
-    ``chunk_bytes``): three products instead of four, and faster with more memory (H200, S4: 404 ms
-    in 512 MiB, 349 in 1.25 GiB, where the recompute path's exact fp32 accumulator took 442 in 1 GiB;
-    README)."""
-    if (opts.strategy != "auto" or dtype != torch.bfloat16 or master or sharded
-            or chunked_unsupported(opts) is not None
-            or whole_fits(opts, n, v, dtype)):
-        return None
-    need_dx, need_dw, need_db = needs
-    cfg = configs.dlogits_config(dtype, h=h, where=where)
-    passes = plan.plan_passes(n, v, h, dtype, None, cfg.block_n, cfg.block_v, need_dx or need_db, need_dw,
-                              may_pair=True)
-    if len(passes) == 1 and not passes[0].paired:
-        return None
-    return plan.lean_chunk_bytes(v, h, dtype, opts.chunk_bytes)
+from .validate import Options
 
 
 def unit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,85 +67,46 @@ def weight_grad_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> t
     return torch.float32 if weight_dtype == torch.float32 else unit_dtype(hidden_dtype)
 
 
-def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx, need_dw, need_db,
+def forward(hidden, weight, targets, bias, class_weight, opts: Options, plan: Plan, need_dx, need_dw, need_db,
             shard=None, divisor=None, cfg=None, dw_dtype=None):
     """Returns (RowStats of all rows, grad_hidden, grad_weight, grad_bias) with the gradients for an
     upstream gradient of 1 (of the loss over ``divisor`` when given), None where not needed, in
-    ``unit_dtype(hidden.dtype)`` (the bias's in fp32). ``cfg``: the sweep's and the gradient
-    kernel's tiles, else the table's or, with autotuning on, the fastest for this shape.
+    ``unit_dtype(hidden.dtype)`` (the bias's in fp32), in the chunks of ``plan`` (CHUNKED, HOSTED or
+    LONG_CONTEXT: ``plan.plan_loss``). ``cfg``: the sweep's and the gradient kernel's tiles, else
+    the table's (which the plan's chunks are cut in) or, with autotuning on, the fastest for this
+    shape in the plan's chunks.
     ``dw_dtype`` float32 (an fp32 master weight, ``weight`` its 16-bit copy): grad_weight is fp32,
     and every chunk's product adds to it directly, with no other V x H buffer."""
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, where = hidden.dtype, hidden.device
+    needs = (need_dx, need_dw, need_db)
     if n == 0:
-        stats = sweep.sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
-        out = dict(dtype=unit_dtype(dtype), device=where)
-        dw_zeros = torch.zeros((v, h), dtype=dw_dtype or out["dtype"], device=where) if need_dw else None
-        zeros = (torch.zeros((0, h), **out) if need_dx else None, dw_zeros,
-                 torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None)
-        return (stats, *zeros)
-    master = dw_dtype == torch.float32 and dtype != torch.float32
-    lean = long_context_budget(opts, n, v, h, dtype, (need_dx, need_dw, need_db), master, shard is not None, where)
-    # One chunk of all rows in grad_weight's own memory where it fits there (``hosted_slab_rows``).
-    slab = None if lean is not None else hosted_slab_rows(opts, n, v, h, dtype, need_dw, master)
-    budget = opts.chunk_bytes if lean is None else lean
-    if budget is None and master and slab is None:
-        budget = plan.DEFAULT_MASTER_BYTES
+        return _no_rows(hidden, weight, targets, bias, class_weight, opts, shard, needs, dw_dtype)
     if cfg is None:
         cfg = autotune.choose("chunked", hidden, v, lambda c: forward(
-            hidden, weight, targets, bias, class_weight, opts, need_dx, need_dw, need_db, shard, divisor, cfg=c,
-            dw_dtype=dw_dtype),
-            budget, shard,
-            variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, need_dx, need_dw, need_db))
+            hidden, weight, targets, bias, class_weight, opts, plan, need_dx, need_dw, need_db, shard, divisor,
+            cfg=c, dw_dtype=dw_dtype),
+            plan.budget, shard, variant=sweep.tuning_variant(hidden, weight, bias, class_weight, opts, *needs))
         cfg = configs.chunked_epilogue(cfg, opts.softcap is not None, bias is not None)
-    rows = n if slab is not None else plan.chunk_rows(n, v, dtype, budget, cfg.block_n)
-    dw_type = weight_grad_dtype(dtype, dw_dtype or dtype)  # grad_weight's
-    # Several chunks: the first one larger, in grad_weight's own memory (``plan.hosted_head``).
-    head = (plan.hosted_head(n, v, h, dtype, dw_type, rows, cfg.block_n)
-            if slab is None and need_dw and rows < n else None)
-    spans = chunk_spans(n, rows, head[0] if head is not None else None)
-    n_chunks = len(spans)
+    # One chunk of all rows in grad_weight's own memory (HOSTED), or a first chunk there (a head).
+    slab = plan.slab_rows if plan.mode == HOSTED else None
+    head = (plan.head_rows, plan.slab_rows) if plan.head_rows else None
+    spans = chunk_spans(n, plan.rows, plan.head_rows or None)
     weights = losses.target_weights(targets, class_weight, opts.ignore_index, v, shard)
     one = torch.ones((), device=where)
     g_ce, g_z, common = losses.upstream(one if divisor is None else one / divisor, None, weights, opts)
-
-    # The unit gradients are kept in the input dtype, except for fp16: its gradients are often
-    # subnormal (a mean over many rows) and the backward's multiplication by g would round them a
-    # second time there, so fp16 keeps them in fp32 until the backward.
-    out_dtype = unit_dtype(dtype)
-    grad_hidden = device.new((n, h), out_dtype, where) if need_dx else None
-    dx_acc = grad_hidden
-    if need_dx and shard is not None and out_dtype != torch.float32:
-        dx_acc = device.new((n, h), torch.float32, where)  # summed over ranks in fp32
-    grad_weight = None
-    dw_lo = None
-    # An fp32 master weight's gradient is its own accumulator. With bf16 products every chunk's dW
-    # is summed into it unscaled (``products.accumulate``: cuBLAS with an fp32 result and beta = 1,
-    # H200, S4's 1792-row chunk: 3.32 ms against 3.61 for the Triton matmul's fp32 epilogue and 2.79
-    # for cuBLAS into bf16) and the common factor applied once at the end, so the factor must be
-    # every chunk's: B's divisor comes from all rows (``losses.largest_b``). fp16's lift out of the
-    # subnormals is per chunk: its products apply each chunk's factor (``products.product``).
-    deferred_dw = need_dw and dw_type == torch.float32 and dtype == torch.bfloat16 and n_chunks > 1
-    all_rows_b = losses.largest_b(g_ce, targets, weights, opts) if deferred_dw else None
-    if need_dw:
-        grad_weight = device.new((v, h), dw_type, where)
-    if need_dw and dw_type != torch.float32:
-        if n_chunks > 1:  # a pair (fp16 and fp32: an fp32 grad_weight already)
-            # an int8 remainder, or at long context by default a 4-bit one (half the bytes)
-            dw_lo = pairs.compensation_buffer(grad_weight, torch.int8 if lean is None else torch.uint8)
-    db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
+    g = _allocate(hidden, v, plan, weight_grad_dtype(dtype, dw_dtype or dtype), len(spans), needs, shard)
+    all_rows_b = losses.largest_b(g_ce, targets, weights, opts) if g.deferred_dw else None
 
     # e = exp(z - m_tile) in (0, 1], in the input dtype (fp16: below 6e-5 of the tile max it is
     # subnormal, an absolute error under 3e-8 of the tile's largest entry). Hosted: class-major in
     # grad_weight's memory, class v's N entries in the first bytes of grad_weight's row v.
     # A hosted head likewise, its slabs of grad_weight in the memory of the buffer of the later chunks.
-    if slab is not None:
-        buffer = head_buffer(grad_weight, dtype, n)
-    else:
-        buffer = device.new((rows, v), dtype, where)
+    buffer = head_buffer(g.grad_weight, dtype, n) if slab is not None else device.new((plan.rows, v), dtype, where)
     head_slabs = None
     if head is not None:
+        dw_type = g.grad_weight.dtype
         head_slabs = buffer.view(-1)[: head[1] * h * dw_type.itemsize // dtype.itemsize].view(dw_type).view(-1, h)
     n_row_blocks = triton.cdiv(max(r for _, r in spans), cfg.block_n)
     dbias = device.new((n_row_blocks, v), torch.float32, where) if need_db else None
@@ -213,11 +114,11 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
     for row0, r in spans:
         sl = slice(row0, row0 + r)
         in_head = head is not None and row0 == 0
-        e = head_buffer(grad_weight, dtype, r) if in_head else buffer[:r]
+        e = head_buffer(g.grad_weight, dtype, r) if in_head else buffer[:r]
         # The per-tile statistics (2 x T x R fp32 for the loss, T = V / 256 tiles: 16 MiB at S4's
         # 4096-row chunk) in the memory of the chunk's rows of grad_hidden where they fit (T <= H / 4
         # for bf16): its product writes them only after the gradient kernel has read the statistics.
-        scratch = dx_acc[sl] if need_dx else None
+        scratch = g.dx_acc[sl] if need_dx else None
         stats, tile_stats = sweep.sweep(hidden[sl], weight, targets[sl], bias, class_weight, opts, shard, e, cfg,
                                         scratch)
         parts.append(stats)
@@ -235,28 +136,94 @@ def forward(hidden, weight, targets, bias, class_weight, opts: Options, need_dx,
         del tile_stats
         if need_dx:  # split in two K halves where that fills the GPU's waves (``gemm.split_k``) and
             # its fp32 (R, H) buffer is at most 1/16 of the chunk's (R, V) one
-            products.product(da, weight, dx_acc[sl], False, chunk_unscale, may_split=32 * h <= v)
-        if (slab is not None or in_head) and need_dw:
-            # the first (or only) chunk's dW: unscaled when summed unscaled (``deferred_dw``)
-            hosted_weight_grad(da, hidden[sl], grad_weight, slab or head[1], None if deferred_dw else chunk_unscale,
-                               dw_lo, head_slabs)
-        elif deferred_dw:
-            products.accumulate(da.t(), hidden[sl], grad_weight, row0 == 0)
-        elif need_dw and dw_lo is not None:
-            products.compensated(da.t(), hidden[sl], grad_weight, dw_lo, row0 > 0, chunk_unscale)
-        elif need_dw:
-            products.product(da.t(), hidden[sl], grad_weight, row0 > 0, chunk_unscale)
+            products.product(da, weight, g.dx_acc[sl], False, chunk_unscale, may_split=32 * h <= v)
+        if need_dw:
+            g.add_weight_grad(da, hidden[sl], row0, chunk_unscale, slab or (head[1] if in_head else None), head_slabs)
         if need_db:
-            products.add_bias_sums(db_acc, dbias, r, cfg.block_n, chunk_unscale)
+            products.add_bias_sums(g.db_acc, dbias, r, cfg.block_n, chunk_unscale)
+    return (RowStats.cat(parts), *g.finish(chunk_unscale, shard))
 
-    if deferred_dw:  # the factor every chunk shares, once, in place
-        products.scale(grad_weight, chunk_unscale, out=grad_weight)
-    if need_dx and shard is not None:
-        parallel.all_reduce(dx_acc, shard)
-        if dx_acc is not grad_hidden:
-            grad_hidden.copy_(dx_acc)
-    grad_bias = db_acc if need_db else None  # (V,) fp32: cheap, and rounded once, in the backward
-    return RowStats.cat(parts), grad_hidden, grad_weight, grad_bias
+
+def _no_rows(hidden, weight, targets, bias, class_weight, opts: Options, shard, needs, dw_dtype):
+    """``forward`` of no rows: the sweep's empty statistics and zero gradients."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    need_dx, need_dw, need_db = needs
+    stats = sweep.sweep(hidden, weight, targets, bias, class_weight, opts, shard)[0]
+    out = dict(dtype=unit_dtype(hidden.dtype), device=hidden.device)
+    dw_zeros = torch.zeros((v, h), dtype=dw_dtype or out["dtype"], device=hidden.device) if need_dw else None
+    zeros = (torch.zeros((0, h), **out) if need_dx else None, dw_zeros,
+             torch.zeros((v,), dtype=torch.float32, device=hidden.device) if need_db else None)
+    return (stats, *zeros)
+
+
+@dataclass
+class _Sums:
+    """The chunked path's gradients and where the chunks sum them: ``dx_acc`` (grad_hidden, or its
+    fp32 sum over a vocabulary shard's ranks), grad_weight (with ``dw_lo``, the remainder of a 16-bit
+    one summed as a pair; ``deferred_dw``: an fp32 master weight's summed unscaled), the bias's fp32
+    sums ``db_acc``."""
+
+    grad_hidden: torch.Tensor | None
+    dx_acc: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+    dw_lo: torch.Tensor | None
+    deferred_dw: bool
+    db_acc: torch.Tensor | None
+
+    def add_weight_grad(self, da, hidden_rows, row0: int, unscale, hosted_slab, head_slabs) -> None:
+        """A chunk's dW into grad_weight: hosted (da in grad_weight's memory, ``hosted_slab`` rows a
+        slab), unscaled into the fp32 sum (``deferred_dw``), into the pair, or rounded once."""
+        if hosted_slab is not None:
+            # the first (or only) chunk's dW: unscaled when summed unscaled (``deferred_dw``)
+            hosted_weight_grad(da, hidden_rows, self.grad_weight, hosted_slab, None if self.deferred_dw else unscale,
+                               self.dw_lo, head_slabs)
+        elif self.deferred_dw:
+            products.accumulate(da.t(), hidden_rows, self.grad_weight, row0 == 0)
+        elif self.dw_lo is not None:
+            products.compensated(da.t(), hidden_rows, self.grad_weight, self.dw_lo, row0 > 0, unscale)
+        else:
+            products.product(da.t(), hidden_rows, self.grad_weight, row0 > 0, unscale)
+
+    def finish(self, unscale, shard) -> tuple:
+        """(grad_hidden, grad_weight, grad_bias) once every chunk is in: the deferred factor applied
+        (``unscale``, every chunk's), grad_hidden summed over the shard's ranks."""
+        if self.deferred_dw:  # the factor every chunk shares, once, in place
+            products.scale(self.grad_weight, unscale, out=self.grad_weight)
+        if self.grad_hidden is not None and shard is not None:
+            parallel.all_reduce(self.dx_acc, shard)
+            if self.dx_acc is not self.grad_hidden:
+                self.grad_hidden.copy_(self.dx_acc)
+        return self.grad_hidden, self.grad_weight, self.db_acc  # the bias's (V,) fp32: rounded in the backward
+
+
+def _allocate(hidden, v: int, plan: Plan, dw_type, n_chunks: int, needs, shard) -> _Sums:
+    """The gradients of ``forward`` (``_Sums``), grad_weight in ``dw_type`` (``weight_grad_dtype``)."""
+    n, h = hidden.shape
+    dtype, where = hidden.dtype, hidden.device
+    need_dx, need_dw, need_db = needs
+    # The unit gradients are kept in the input dtype, except for fp16: its gradients are often
+    # subnormal (a mean over many rows) and the backward's multiplication by g would round them a
+    # second time there, so fp16 keeps them in fp32 until the backward.
+    out_dtype = unit_dtype(dtype)
+    grad_hidden = device.new((n, h), out_dtype, where) if need_dx else None
+    dx_acc = grad_hidden
+    if need_dx and shard is not None and out_dtype != torch.float32:
+        dx_acc = device.new((n, h), torch.float32, where)  # summed over ranks in fp32
+    # An fp32 master weight's gradient is its own accumulator. With bf16 products every chunk's dW
+    # is summed into it unscaled (``products.accumulate``: cuBLAS with an fp32 result and beta = 1,
+    # H200, S4's 1792-row chunk: 3.32 ms against 3.61 for the Triton matmul's fp32 epilogue and 2.79
+    # for cuBLAS into bf16) and the common factor applied once at the end, so the factor must be
+    # every chunk's: B's divisor comes from all rows (``losses.largest_b``). fp16's lift out of the
+    # subnormals is per chunk: its products apply each chunk's factor (``products.product``).
+    deferred_dw = need_dw and dw_type == torch.float32 and dtype == torch.bfloat16 and n_chunks > 1
+    grad_weight = device.new((v, h), dw_type, where) if need_dw else None
+    dw_lo = None
+    if need_dw and dw_type != torch.float32 and n_chunks > 1:  # a pair (fp16 and fp32: an fp32 grad_weight)
+        # an int8 remainder, or at long context a 4-bit one (half the bytes)
+        dw_lo = pairs.compensation_buffer(grad_weight, torch.uint8 if plan.mode == LONG_CONTEXT else torch.int8)
+    db_acc = torch.zeros((v,), dtype=torch.float32, device=where) if need_db else None
+    return _Sums(grad_hidden, dx_acc, grad_weight, dw_lo, deferred_dw, db_acc)
 
 
 def chunk_spans(n: int, rows: int, head: int | None = None) -> list[tuple[int, int]]:
@@ -303,7 +270,7 @@ def gradient_in_place(e, tile_stats, stats: RowStats, coef, targets, class_weigh
     when given; returns da (``e`` itself)."""
     r, v = e.shape
     _, _, softcap_out, grad_scale = opts.kernel_scales()
-    entropy_grad = coef.shape[0] > 3
+    entropy_grad = losses.entropy_term(coef)
     block_n, warps = gradient_rows(cfg, entropy_grad), gradient_warps(cfg, entropy_grad)
     cols = gradient_cols(cfg)
     softmax_gradient_kernel[(triton.cdiv(r, block_n), triton.cdiv(v, cols))](

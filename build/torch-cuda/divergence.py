@@ -1,7 +1,7 @@
 """Host side of ``fused_linear_divergence``: chunks of rows, their four (or six) products, the row
 kernel between them, and the autograd.
 
-Per chunk of R rows (``plan.plan_divergence_chunks``), the student's and the teacher's products ``h @ W.T`` go into
+Per chunk of R rows (``plan.plan_divergence``), the student's and the teacher's products ``h @ W.T`` go into
 two fp32 (R, V) buffers (cuBLAS with an fp32 output, ``products.accumulate``: fp32 accumulation,
 never rounded to 16 bits); ``divergence_kernel`` turns them into the per-token values and, when a
 gradient is formed, da in the input dtype. The gradient products run per group of M >= R rows:
@@ -16,7 +16,7 @@ Two strategies:
 - "chunked" ("mean" / "sum": the upstream gradient is one scalar g): the forward forms da with unit
   coefficients (1 on counted rows) and runs all four products; the common factor (1 / count, or
   1 / num_items_in_batch) is applied in the products' fp32 epilogue; the backward only multiplies
-  by g (``ops.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
+  by g (``saved_gradients.scale_gradients``; the ops and autograd are ``divergence_ops.py``). A gradient
   reaching ``log_probs`` is added by a recompute backward of that term alone (its upstream is only
   known then): the student's logits and its two gradient products, three a chunk.
 - "recompute" (any reduction, "none" always): the forward runs two products a chunk and keeps three
@@ -39,7 +39,7 @@ import triton
 from . import configs, device, gemm, pairs, products
 from .chunked import unit_dtype, weight_grad_dtype
 from .divergence_kernel import FORWARD_KL, JSD, REVERSE_KL, divergence_row_kernel
-from .plan import DivergenceChunks, plan_divergence_chunks
+from .plan import DivergenceChunks
 from .validate import Options
 
 # The remainder of a bf16 grad_weight summed over several groups (``products.compensated``): 4 bits
@@ -64,8 +64,6 @@ class Spec:
     student: Options  # logit_scale, softcap, temperature of the student
     teacher: Options  # of the teacher
     reduction: str
-    strategy: str  # "chunked" or "recompute", resolved
-    chunk_bytes: int | None
 
     @property
     def mode(self) -> int:
@@ -111,12 +109,11 @@ def _launch(zs, zt, da, biases, targets, counted, coef, stats, out, row0, n, spe
     )
 
 
-def _buffers(n: int, v: int, spec: Spec, where, da_dtype: torch.dtype | None):
-    """(the plan, the two fp32 logit buffers, da's own buffer or None) for da in ``da_dtype`` (None:
-    values only)."""
-    plan = plan_divergence_chunks(n, v, spec.chunk_bytes, None if da_dtype is None else da_dtype.itemsize)
-    zs, zt = (device.new((plan.rows, v), torch.float32, where) for _ in range(2))
-    return plan, zs, zt, device.new((plan.group, v), da_dtype, where) if plan.own_da else None
+def _buffers(v: int, chunks: DivergenceChunks, where, da_dtype: torch.dtype | None):
+    """(the two fp32 logit buffers, da's own buffer or None) of ``chunks`` for da in ``da_dtype``
+    (None: values only)."""
+    zs, zt = (device.new((chunks.rows, v), torch.float32, where) for _ in range(2))
+    return zs, zt, device.new((chunks.group, v), da_dtype, where) if chunks.own_da else None
 
 
 def _groups(n: int, plan: DivergenceChunks):
@@ -190,9 +187,11 @@ def _sweep(student, teacher, plan: DivergenceChunks, buffers, dtype, launch, gra
             _gradient_products(da, student, group, grads, factor, group.start == 0, lo)
 
 
-def forward(student, teacher, targets, counted, spec: Spec, needs, factor=None, dw_dtype=torch.float32):
+def forward(student, teacher, targets, counted, spec: Spec, plan: DivergenceChunks, needs, factor=None,
+            dw_dtype=torch.float32):
     """The values and, with any of ``needs`` (dx, dw, db) and ``factor``, the gradients of
-    sum_rows(counted divergence) * factor (the "chunked" strategy). ``student``/``teacher``:
+    sum_rows(counted divergence) * factor (the CHUNKED mode), in the forward's chunks ``plan``
+    (``plan.plan_divergence``). ``student``/``teacher``:
     (hidden (N, H), weight (V, H), bias or None). Returns (out (3, N): divergence, entropy, target
     log-prob; stats (3, N); grad_hidden (unit dtype: fp32 for fp16 inputs), grad_weight
     (``dw_dtype``, ``weight_grad_dtype``), grad_bias (fp32), None where not needed)."""
@@ -202,7 +201,7 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, factor=None, 
     dtype, where = hidden.dtype, hidden.device
     need_dx, need_dw, need_db = needs
     write = any(needs)
-    plan, *buffers = _buffers(n, v, spec, where, dtype if write else None)
+    buffers = _buffers(v, plan, where, dtype if write else None)
     stats = device.new((3, n), torch.float32, where)
     out = device.new((3, n), torch.float32, where)
     coef = None
@@ -223,10 +222,12 @@ def forward(student, teacher, targets, counted, spec: Spec, needs, factor=None, 
     return (out, stats, *grads)
 
 
-def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs, dw_dtype=None, div_grad=True):
+def backward(student, teacher, targets, counted, stats, coef, spec: Spec, plan: DivergenceChunks, needs, dw_dtype=None,
+             div_grad=True):
     """The gradients for per-row coefficients ``coef`` (2, N) fp32 (the divergence's and the target
-    log-prob's upstream), by recomputing each chunk's logits (without ``div_grad``, the log-prob's
-    term alone: the student's logits only, three products a chunk): (grad_hidden in hidden's dtype,
+    log-prob's upstream), by recomputing each chunk's logits in the backward's chunks ``plan``
+    (without ``div_grad``, the log-prob's term alone: the student's logits only, three products a
+    chunk): (grad_hidden in hidden's dtype,
     grad_weight in ``dw_dtype`` (default the weight's: float32 for an fp32 master weight, whose
     16-bit copy ``student`` holds), grad_bias in the bias's dtype), None where not needed."""
     hidden, weight, bias = student
@@ -235,7 +236,7 @@ def backward(student, teacher, targets, counted, stats, coef, spec: Spec, needs,
     dtype, where = hidden.dtype, hidden.device
     need_dx, need_dw, need_db = needs
     coef, factor = _lift(coef)
-    plan, *buffers = _buffers(n, v, spec, where, dtype)
+    buffers = _buffers(v, plan, where, dtype)
     dw_dtype = dw_dtype or weight.dtype
     dw, lo = _weight_grad(need_dw, v, h, weight_grad_dtype(dtype, dw_dtype), plan.group < n, where)
     grads = (device.new((n, h), dtype, where) if need_dx else None, dw,

@@ -1,49 +1,43 @@
 """``fused_linear_divergence``'s forward and backward as PyTorch custom operators with fake
 implementations and autograd, so that ``torch.compile(fullgraph=True)`` sees two opaque ops (as
-``ops.py`` does for the loss). The float options travel as one CPU float64 tensor (``ops.float_tensor``:
-no recompile per temperature, no device sync), read inside the ops on the host.
+``ops.py`` does for the loss). Their options and the call's plan travel as their arguments
+(``opargs``: the float options as one CPU float64 tensor, no recompile per temperature, no device
+sync), read inside the ops on the host.
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from . import chunked as chunked_path
-from . import divergence, ops
+from . import divergence, opargs, ops, saved_gradients
+from .plan import CHUNKED, plan_divergence
 from .divergence import Head, Spec
 from .validate import Options
 
-NAMESPACE = ops.NAMESPACE
+# The float options, in the order of the ops' ``scalars`` tensor (``opargs.Floats``).
+FLOATS = opargs.Floats("beta", "temperature", "student_logit_scale", "student_softcap", "teacher_logit_scale",
+                       "teacher_softcap")
+# The forward op's other arguments after ``scalars``, in order (``apply`` packs them, the autograd
+# context unpacks them).
+ARGS = opargs.Args("reduction", "mode", "plan", "need_dx", "need_dw", "need_db")
 
 
-class Scalars(NamedTuple):
-    """The ops' float options, in the order of their CPU float64 ``scalars`` tensor; 1.0 stands in
-    for an absent softcap (``has_s_cap`` / ``has_t_cap`` say which are given)."""
-
-    beta: float
-    temperature: float
-    student_scale: float
-    student_softcap: float
-    teacher_scale: float
-    teacher_softcap: float
-
-    @classmethod
-    def of(cls, spec: Spec) -> "Scalars":
-        s, t = spec.student, spec.teacher
-        return cls(spec.beta, s.temperature, s.logit_scale, s.softcap if s.softcap is not None else 1.0,
-                   t.logit_scale, t.softcap if t.softcap is not None else 1.0)
+def _floats(spec: Spec) -> torch.Tensor:
+    s, t = spec.student, spec.teacher
+    return FLOATS.tensor(dict(beta=spec.beta, temperature=s.temperature, student_logit_scale=s.logit_scale,
+                              student_softcap=s.softcap, teacher_logit_scale=t.logit_scale, teacher_softcap=t.softcap))
 
 
-def _spec(scalars: torch.Tensor, has_s_cap: bool, has_t_cap: bool, reduction: str, strategy: str,
-          chunk_bytes: Optional[int]) -> Spec:
-    """The Spec inside an op, from its ``scalars`` tensor (``Scalars``)."""
-    x = Scalars(*scalars.tolist())
-    return Spec(beta=x.beta,
-                student=Options(logit_scale=x.student_scale, softcap=x.student_softcap if has_s_cap else None,
-                                temperature=x.temperature),
-                teacher=Options(logit_scale=x.teacher_scale, softcap=x.teacher_softcap if has_t_cap else None,
-                                temperature=x.temperature),
-                reduction=reduction, strategy=strategy, chunk_bytes=chunk_bytes)
+def _spec(scalars: torch.Tensor, reduction: str) -> Spec:
+    """The Spec inside an op, from its ``scalars`` tensor (``FLOATS``)."""
+    x = FLOATS.read(scalars)
+    return Spec(beta=x["beta"],
+                student=Options(logit_scale=x["student_logit_scale"], softcap=x["student_softcap"],
+                                temperature=x["temperature"]),
+                teacher=Options(logit_scale=x["teacher_logit_scale"], softcap=x["teacher_softcap"],
+                                temperature=x["temperature"]),
+                reduction=reduction)
 
 
 def _over(numerator, denominator: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
@@ -55,27 +49,25 @@ def _over(numerator, denominator: torch.Tensor, counted: torch.Tensor) -> torch.
     return torch.where(counted.any(), quotient, torch.zeros_like(quotient))
 
 
-def _chunked(strategy: str, need_dx: bool, need_dw: bool, need_db: bool) -> bool:
-    return strategy == "chunked" and (need_dx or need_dw or need_db)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::divergence_forward", mutates_args=())
+@torch.library.custom_op(f"{opargs.NAMESPACE}::divergence_forward", mutates_args=())
 def divergence_forward(
     hs: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor], ht: torch.Tensor, wt: torch.Tensor,
     bt: Optional[torch.Tensor], targets: Optional[torch.Tensor], counted: torch.Tensor,
-    denominator: Optional[torch.Tensor], scalars: torch.Tensor, has_s_cap: bool, has_t_cap: bool, reduction: str,
-    strategy: str, chunk_bytes: Optional[int], need_dx: bool, need_dw: bool, need_db: bool,
+    denominator: Optional[torch.Tensor], scalars: torch.Tensor, reduction: str, mode: str, plan: list[int],
+    need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(divergence, entropy (N,), log_probs (N,), stats (3, N), grad_hidden, grad_weight, grad_bias):
     the divergence reduced over ``denominator`` (0-d) or per row ("none", denominator None); the
-    gradients of the "chunked" strategy for an upstream gradient of 1 (``divergence.forward``), else
-    empty (0,)."""
-    spec = _spec(scalars, has_s_cap, has_t_cap, reduction, strategy, chunk_bytes)
-    chunked = _chunked(strategy, need_dx, need_dw, need_db)
+    gradients of the CHUNKED mode for an upstream gradient of 1 (``divergence.forward``), else empty
+    (0,). ``mode`` and ``plan``: the call's plan (``plan.plan_divergence``, encoded by ``opargs``)."""
+    spec = _spec(scalars, reduction)
+    chunked = mode == CHUNKED
     factor = _over(1.0, denominator, counted).reshape(1).to(torch.float32) if chunked else None
     needs = (need_dx, need_dw, need_db) if chunked else (False,) * 3
+    chunks = opargs.decode_divergence(mode, plan).forward
     out, stats, *grads = divergence.forward(Head(hs, ops.low_weight(ws, hs), bs), Head(ht, wt, bt), targets, counted,
-                                            spec, needs, factor, chunked_path.weight_grad_dtype(hs.dtype, ws.dtype))
+                                            spec, chunks, needs, factor,
+                                            chunked_path.weight_grad_dtype(hs.dtype, ws.dtype))
     rows, entropy, log_probs = (t.clone() for t in out)  # distinct outputs
     div = rows if denominator is None else rows.sum() / denominator
     grads = [g if g is not None else hs.new_empty((0,)) for g in grads]
@@ -83,11 +75,11 @@ def divergence_forward(
 
 
 @divergence_forward.register_fake
-def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, has_s_cap, has_t_cap, reduction, strategy,
-      chunk_bytes, need_dx, need_dw, need_db):
+def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, reduction, mode, plan_, need_dx, need_dw,
+      need_db):
     n, h = hs.shape
     v = ws.shape[0]
-    chunked = _chunked(strategy, need_dx, need_dw, need_db)
+    chunked = mode == CHUNKED
     rows = hs.new_empty((n,), dtype=torch.float32)
     unit = chunked_path.unit_dtype(hs.dtype)
     empty = hs.new_empty((0,))
@@ -99,42 +91,38 @@ def _(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, has_s_cap,
             hs.new_empty((v,), dtype=torch.float32) if chunked and need_db else empty)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::divergence_backward", mutates_args=())
+@torch.library.custom_op(f"{opargs.NAMESPACE}::divergence_backward", mutates_args=())
 def divergence_backward(
     coef: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor], ht: torch.Tensor,
     wt: torch.Tensor, bt: Optional[torch.Tensor], targets: Optional[torch.Tensor], counted: torch.Tensor,
-    stats: torch.Tensor, scalars: torch.Tensor, has_s_cap: bool, has_t_cap: bool, chunk_bytes: Optional[int],
+    stats: torch.Tensor, scalars: torch.Tensor, mode: str, plan: list[int],
     need_dx: bool, need_dw: bool, need_db: bool, div_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of the student for per-row coefficients ``coef`` (2, N)
     (the divergence's and the log-prob's upstream), recomputing the logits; empty (0,) where not
-    needed. ``div_grad`` False: the log-prob's term alone (coef[0] unused, no teacher product)."""
-    spec = _spec(scalars, has_s_cap, has_t_cap, "none", "recompute", chunk_bytes)
+    needed, in the backward chunks of the call's plan. ``div_grad`` False: the log-prob's term alone
+    (coef[0] unused, no teacher product)."""
+    spec = _spec(scalars, "none")
+    chunks = opargs.decode_divergence(mode, plan).backward
     grads = divergence.backward(Head(hs, ops.low_weight(ws, hs), bs), Head(ht, wt, bt), targets, counted, stats,
-                                coef, spec, (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
+                                coef, spec, chunks, (need_dx, need_dw, need_db), dw_dtype=ws.dtype, div_grad=div_grad)
     return tuple(g if g is not None else hs.new_empty((0,)) for g in grads)
 
 
 @divergence_backward.register_fake
-def _(coef, hs, ws, bs, ht, wt, bt, targets, counted, stats, scalars, has_s_cap, has_t_cap, chunk_bytes, need_dx,
-      need_dw, need_db, div_grad):
-    empty = hs.new_empty((0,))
-    return (hs.new_empty(hs.shape) if need_dx else empty, ws.new_empty(ws.shape) if need_dw else empty,
-            ws.new_empty((ws.shape[0],)) if need_db and bs is not None else empty)
-
-
-# The forward op's arguments after ``scalars``, in order.
-_OPTIONS = ("has_s_cap", "has_t_cap", "reduction", "strategy", "chunk_bytes", "need_dx", "need_dw", "need_db")
+def _(coef, hs, ws, bs, ht, wt, bt, targets, counted, stats, scalars, mode, plan_, need_dx, need_dw, need_db,
+      div_grad):
+    return opargs.fake_gradients(hs, ws, bs, need_dx, need_dw, need_db)
 
 
 def _setup_context(ctx, inputs, output):
     hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, *options = inputs
-    o = dict(zip(_OPTIONS, options))
+    o = ARGS.unpack(options)
     ctx.options = o
     ctx.computed = (o["need_dx"], o["need_dw"], o["need_db"])
-    ctx.chunked = _chunked(o["strategy"], *ctx.computed)
+    ctx.chunked = o["mode"] == CHUNKED
     ctx.dtypes = (hs.dtype, ws.dtype, bs.dtype if bs is not None else hs.dtype)
-    ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``ops.scale_saved``)
+    ctx.spent = ()  # the leaves whose saved gradient a backward has scaled in place (``saved_gradients``)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(output[1], output[3], output[4], output[5], output[6])
     saved = output[4:] if ctx.chunked else (None, None, None)
@@ -143,13 +131,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
     if ctx.chunked:
-        ops.check_spent(ctx, "fused_linear_divergence")
+        saved_gradients.check_spent(ctx, "fused_linear_divergence")
     hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars, stats, dx, dw, db = ctx.saved_tensors
     o = ctx.options
     needs = ctx.computed
     grads = [None, None, None]
     if ctx.chunked and grad_div is not None:
-        scaled = ops.scale_saved(ctx, (dx, dw, db), grad_div.reshape(()), needs)
+        scaled = saved_gradients.scale_saved(ctx, (dx, dw, db), grad_div.reshape(()), needs)
         grads = [s if need else None for s, need in zip(scaled, needs)]
         grad_div = None
     if grad_div is not None or grad_lp is not None:
@@ -158,23 +146,23 @@ def _backward(ctx, grad_div, _grad_entropy, grad_lp, *_rest):
                                                if denominator is not None else grad_div.float()).expand(hs.shape[0])
         c_lp = zero if grad_lp is None else grad_lp.float()
         more = divergence_backward(torch.stack([c_div, c_lp]), hs, ws, bs, ht, wt, bt, targets, counted, stats,
-                                   scalars, o["has_s_cap"], o["has_t_cap"], o["chunk_bytes"], *needs,
-                                   grad_div is not None)
+                                   scalars, o["mode"], o["plan"], *needs, grad_div is not None)
         more = [m if need else None for m, need in zip(more, needs)]
         grads = [m if g is None else (g + m if m is not None else g) for g, m in zip(grads, more)]
-    return (*grads, None, None, None, None, None, None, None) + (None,) * len(_OPTIONS)
+    return (*grads, None, None, None, None, None, None, None) + ARGS.no_gradients
 
 
 divergence_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def apply(hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec):
-    """Calls the forward op with ``spec`` spread into its arguments; which gradients will be wanted is
-    read here (grad mode and requires_grad). Returns (divergence, entropy, log_probs)."""
+def apply(hs, ws, bs, ht, wt, bt, targets, counted, denominator, spec: Spec, strategy: str, chunk_bytes):
+    """Asks the planner once (``plan.plan_divergence``) and calls the forward op with ``spec`` and the
+    plan spread into its arguments; which gradients will be wanted is read here (grad mode and
+    requires_grad). Returns (divergence, entropy, log_probs)."""
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hs, ws, bs)]
-    scalars = ops.float_tensor(tuple(Scalars.of(spec)))
-    out = divergence_forward(hs, ws, bs, ht, wt, bt, targets, counted, denominator, scalars,
-                             spec.student.softcap is not None, spec.teacher.softcap is not None, spec.reduction,
-                             spec.strategy, spec.chunk_bytes, *needs)
+    p = plan_divergence(strategy, spec.reduction, hs.shape[0], ws.shape[0], hs.dtype, chunk_bytes, needs)
+    args = ARGS.pack(reduction=spec.reduction, mode=p.mode, plan=opargs.encode_divergence(p), need_dx=needs[0],
+                     need_dw=needs[1], need_db=needs[2])
+    out = divergence_forward(hs, ws, bs, ht, wt, bt, targets, counted, denominator, _floats(spec), *args)
     return out[0], out[1], out[2]

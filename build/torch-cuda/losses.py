@@ -26,6 +26,10 @@ import torch
 from . import parallel
 from .validate import Options
 
+# Rows of the per-row coefficients of da: A, B, C (``row_coefficients``); with the per-token
+# entropy's gradient also E and S (``entropy_term``).
+ENTROPY_COEF_ROWS = 5
+
 
 @dataclass
 class TargetWeights:
@@ -67,7 +71,7 @@ def target_weights(targets, class_weight, ignore_index, v_local, shard=None) -> 
     return TargetWeights(counted, per_row, total, True, v_total)
 
 
-def row_terms(stats, weights: TargetWeights, opts: Options) -> RowTerms:
+def row_loss_terms(stats, weights: TargetWeights, opts: Options) -> RowTerms:
     counted = weights.counted
     w_t = weights.per_row
     v = weights.v_total
@@ -203,6 +207,12 @@ def _largest(coef_b: torch.Tensor) -> torch.Tensor:
     return torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
 
 
+def entropy_term(coef: torch.Tensor) -> bool:
+    """Whether the per-row coefficients carry the per-token entropy's gradient (rows E and S after
+    A, B, C: ``tokens.token_coefficients``), the kernels' ENTROPY_GRAD."""
+    return coef.shape[0] == ENTROPY_COEF_ROWS
+
+
 def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float, v_total: int = 1):
     """(coef, unscale) with da lifted out of fp16's subnormal range by a power of two: the
     coefficients times it, ``unscale`` (an fp32 (1,) tensor, or None for 1) times its inverse.
@@ -216,14 +226,14 @@ def lift_fp16(coef: torch.Tensor, unscale, class_weight, logit_scale: float, v_t
     [-1/e, H], and the entropy H <= log V."""
     w_max = class_weight.abs().amax() if class_weight is not None else 1.0
     bound = coef[0].abs() + coef[1].abs() + coef[2].abs() * w_max
-    if coef.shape[0] > 3:
+    if entropy_term(coef):
         bound = bound + coef[3].abs() * (math.log(v_total) + 1.0)
     peak = bound.amax() * abs(logit_scale)
     k = (14.0 - torch.ceil(torch.log2(peak))).clamp(-60.0, 60.0)
     k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero or non-finite gradients
     lift = torch.exp2(k)
     inverse = (1.0 / lift).reshape(1)
-    lifted = coef * lift if coef.shape[0] <= 3 else torch.cat([coef[:4] * lift, coef[4:]])  # S is a logit
+    lifted = torch.cat([coef[:4] * lift, coef[4:]]) if entropy_term(coef) else coef * lift  # S is a logit
     return lifted, inverse if unscale is None else unscale * inverse
 
 

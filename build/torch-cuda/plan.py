@@ -1,21 +1,49 @@
-"""How each stage cuts its work, from shapes alone (no kernels, no tensors): the forward sweep's
-vocabulary split, the chunked path's chunk of rows, the recompute backward's passes and blocks, all
-within the memory knob ``chunk_bytes``. The public names are re-exported by ``configs``.
+"""The plan of a call: which mode it takes and within which budgets, decided once from shapes,
+dtypes and options (no kernels, no tensors), where every rule for it is written.
+
+Each public call asks once (``plan_loss``, ``plan_tokens``, ``plan_divergence``) and carries the
+frozen answer into its ops as their arguments (``opargs``); the ops, their fake implementations and
+their autograd read it. The modes, one mechanism each:
+
+- VALUES: no gradient is wanted; the forward sweep alone.
+- RECOMPUTE: the forward keeps the per-row lse; the backward recomputes the logits block by block in
+  ``passes`` (``backward_passes.plan_passes``).
+- CHUNKED: the loss's gradients are formed in the forward, ``rows`` rows a chunk (the first
+  ``head_rows`` of them hosted in grad_weight's memory, computed ``slab_rows`` of grad_weight at a
+  time); a bf16 grad_weight summed across chunks as a bf16 + int8 pair.
+- HOSTED: CHUNKED in one chunk of all N rows whose (N, V) buffer lives in grad_weight's own memory.
+- LONG_CONTEXT: CHUNKED with grad_weight summed across chunks as a bf16 + 4-bit pair, its remainder
+  within the budget ("auto" at long context, ``lean_chunk_bytes``).
+- EXPONENTIALS: the per-token outputs' forward keeps the (N, V) exponentials; its backward turns
+  them into the gradient in place (a second backward takes ``passes``).
+The divergence takes CHUNKED (its gradients formed in the forward), RECOMPUTE or VALUES, each with
+its chunks of rows (``DivergenceChunks``).
+
+Three words, one meaning each across the package: "chunked" is the gradients formed in the forward
+(the public strategy="chunked" of the per-token function takes EXPONENTIALS, its one way to save a
+product); "hosted" is a temporary in the memory of the gradient it becomes or is the input of (the
+recompute backward's N x H accumulator, half in grad_hidden: ``BackwardPlan.hosted``; HOSTED's
+(N, V) buffer and a head's, in grad_weight); "borrowed" is a temporary in the memory of another
+gradient, free until that one is written (the N x H accumulator in grad_weight's last rows:
+``BackwardPlan.borrowed``; the chunked sweep's per-tile statistics in the chunk's rows of
+grad_hidden).
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from . import configs
 from . import device as _device
+from .backward_passes import DEFAULT_CHUNK_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan, plan_passes
+from .validate import Options, chunked_unsupported
 
-# The memory knob's default on the recompute path (bytes): its backward's da blocks and fp32
-# accumulators. 192 MiB: at 8192 x 4096 and 16384 x 2048 (N H = 32 Mi) the one-pass plan's da blocks
-# are those that an unhosted fp32 accumulator would leave beside it in 256 MiB, the accumulator's
-# first half being hosted in grad_hidden (``BackwardPlan.hosted``).
-DEFAULT_CHUNK_BYTES = 192 << 20
+VALUES, RECOMPUTE, CHUNKED, HOSTED, LONG_CONTEXT, EXPONENTIALS = (
+    "values", "recompute", "chunked", "hosted", "long_context", "exponentials")
+# The modes whose forward forms the loss's gradients (``chunked.forward``).
+GRADIENTS_IN_FORWARD = (CHUNKED, HOSTED, LONG_CONTEXT)
+
 # The memory knob's default on the chunked path: one chunk's buffer of rows. 256 MiB: each chunk adds
 # the weight gradient's V x H sum once more, and a master weight's default step measured 6-7% slower
 # in 192 MiB chunks (H200, S1 52.8 against 49.8 ms, S4 411 against 383; benchmarks/results/ab/).
@@ -32,9 +60,6 @@ DEFAULT_MASTER_BYTES = 504 << 20
 # ``plan_divergence_chunks``). With bf16 grad_weight's 4-bit remainder (V x H_s / 2 bytes,
 # ``divergence.REMAINDER``) 794 MiB at D1 (8192 x 2048 x 151936): 7 groups of 1184 rows.
 DEFAULT_DIVERGENCE_BYTES = 640 << 20
-# The default budget of the paired plan (``plan_passes``): long context, where no fp32 accumulator
-# fits and one pass with grad_hidden summed as a bf16 + int8 pair replaces two passes.
-DEFAULT_PAIRED_BYTES = 512 << 20
 # The long-context chunked plan (``lean_chunk_bytes``): the fewest rows a chunk may have. Each chunk adds
 # the V x H pair's epilogue (H200, S4 = 65536 x 4096 x 128256, bf16: 1024-row chunks with an int8
 # remainder 428 ms a step against 357 in 4096-row chunks and 478 for the paired recompute plan, so
@@ -44,11 +69,6 @@ LEAN_MIN_ROWS = 1024
 # a slab of grad_weight computed at a time (a 1024 x 4096 product still fills the H200's 132 SMs with
 # 128 x 256 tiles; a multiple of 16, as every slab's first row must be for TMA).
 HOSTED_MIN_ROWS = 1024
-# The forward's vocabulary split: the fewest splits whose programs fill the GPU's waves to at least
-# this share (``vocab_splits``).
-_WAVE_EFFICIENCY = 0.95
-# Splits on the interpreter: more than one, so every run exercises the merge of partial statistics.
-_CPU_SPLITS = 3
 
 
 def chunk_budget(chunk_bytes: int | None, *, chunked: bool = False) -> int:
@@ -74,7 +94,7 @@ def lean_chunk_bytes(v: int, h: int, dtype: torch.dtype, chunk_bytes: int | None
     DEFAULT_PAIRED_BYTES) less grad_weight's 4-bit remainder (V x ceil(H / 2) bytes,
     ``pairs.compensation_buffer(hi, torch.uint8)``), or None when that leaves fewer than
     LEAN_MIN_ROWS rows of the (R, V) buffer. At 128256 x 4096: 250.5 MiB of remainder, 1024-row
-    chunks by default, 4096 in 1.25 GiB. Which calls take it: ``chunked.long_context_budget``."""
+    chunks by default, 4096 in 1.25 GiB. Which calls take it: ``_long_context_budget``."""
     budget = (DEFAULT_PAIRED_BYTES if chunk_bytes is None else chunk_bytes) - v * triton.cdiv(h, 2)
     return budget if budget // max(1, v * dtype.itemsize) >= LEAN_MIN_ROWS else None
 
@@ -123,184 +143,134 @@ def _slab_rows(buffer_bytes: int, v: int, row_bytes: int) -> int | None:
     return rows if rows >= min(v, HOSTED_MIN_ROWS) and rows > 0 else None
 
 
-def vocab_splits(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> int:
-    """How many programs share one row block's vocabulary sweep (each a contiguous range of tiles).
-
-    The sweep takes about (waves) x (tiles per program), where a wave is the SMs x ``resident``
-    programs that run at once; the work is row blocks x tiles. This takes the fewest splits whose
-    waves are at least ``_WAVE_EFFICIENCY`` full, else the fullest (fewer splits: fewer partial
-    statistics, and the programs that run together share more of the weight in L2). H200, bf16,
-    evaluation forward (``benchmarks/results/borrowed/experiment_splits.json``): S1 2 splits 13.9 ms
-    against 15.8 for the 5 that a fixed 2 programs per SM gives, S3 1 split 18.7 against 23.1."""
-    if _device.interpreted() or device.type != "cuda":
-        return max(1, min(_CPU_SPLITS, n_vocab_tiles))
-    sms = _device.sm_count(device)
-    return _fewest_full_splits(max(1, n_row_blocks), max(1, n_vocab_tiles), sms * resident)
-
-
-def tile_ranges(n_row_blocks: int, n_vocab_tiles: int, device: torch.device, *, resident: int = 1) -> tuple[int, int]:
-    """(splits, tiles per split) of a vocabulary sweep: ``vocab_splits``' count, with the tiles cut
-    into equal contiguous ranges and no split left without tiles."""
-    per = triton.cdiv(n_vocab_tiles, vocab_splits(n_row_blocks, n_vocab_tiles, device, resident=resident))
-    return triton.cdiv(n_vocab_tiles, per), per
-
-
-@functools.lru_cache(maxsize=256)
-def _fewest_full_splits(row_blocks: int, tiles: int, slots: int) -> int:
-    best, best_eff = 1, 0.0
-    for splits in range(1, tiles + 1):
-        per = triton.cdiv(tiles, splits)
-        if splits > 1 and triton.cdiv(tiles, splits - 1) == per:
-            continue  # the same ranges as fewer splits
-        waves = triton.cdiv(row_blocks * triton.cdiv(tiles, per), slots)
-        eff = row_blocks * tiles / (waves * per * slots)
-        if eff >= _WAVE_EFFICIENCY:
-            return splits
-        if eff > best_eff:
-            best, best_eff = splits, eff
-    return best
-
-
 @dataclass(frozen=True)
-class BackwardPlan:
-    """How the backward cuts the (N, V) plane: blocks of ``rows`` x ``cols`` da at a time."""
+class Plan:
+    """A loss or per-token call's plan (module docstring): its mode and what its executors cut by.
+    Frozen; made by ``plan_loss`` / ``plan_tokens`` only."""
 
-    rows: int
-    cols: int
-    dx_accumulator: bool  # grad_hidden summed over column blocks in an fp32 (N, H) buffer
-    dw_accumulator: bool  # grad_weight summed over row blocks in an fp32 (V, H) buffer
-    rows_grads: bool = True  # this pass computes grad_hidden and grad_bias (when wanted)
-    weight_grad: bool = True  # this pass computes grad_weight (when wanted)
-    # The (N, H) fp32 accumulator lives in the last bytes of grad_weight's own memory (not extra):
-    # the vocabulary blocks that overlap it get their grad_weight after grad_hidden is final.
-    borrowed: bool = False
-    # grad_hidden is summed over the vocabulary blocks as a pair: itself (bf16) and an int8 (N, H)
-    # remainder (``gemm.matmul``'s pair epilogue), N x H bytes instead of an fp32 N x H.
-    paired: bool = False
-    # The (N, H) fp32 accumulator's first rows live in grad_hidden's own 16-bit memory (N x H x
-    # itemsize bytes: half of it), the rest in an extra buffer; at the end the hosted rows are
-    # copied into the free da block before grad_hidden is written (so cols >= H).
-    hosted: bool = False
-
-    def extra_bytes(self, n: int, v: int, h: int, itemsize: int) -> int:
-        """The da block, the accumulators (fp32, or the pair's int8 remainder), and a rows-only
-        pass's fp32 (rows, H) product."""
-        dx_acc = self.dx_accumulator and not self.borrowed and not self.paired
-        return self.rows * self.cols * itemsize + n * h * self.paired + 4 * h * (
-            n * dx_acc + v * self.dw_accumulator + self.rows * (not self.weight_grad)
-        ) - hosted_rows(n, itemsize) * h * 4 * (dx_acc and self.hosted)
+    mode: str
+    budget: int | None = None  # the gradients-in-forward modes: one chunk's buffer (None: the default)
+    rows: int = 0  # the gradients-in-forward modes: rows of a chunk (all N for HOSTED)
+    head_rows: int = 0  # a first, larger chunk hosted in grad_weight's memory (0: none)
+    slab_rows: int = 0  # HOSTED or a head: rows of grad_weight computed at a time
+    passes: tuple[BackwardPlan, ...] = ()  # RECOMPUTE, EXPONENTIALS (a second backward): the backward's
+    borrowed: bool = False  # the one pass's grad_hidden accumulator lives in grad_weight's memory
 
 
-def hosted_rows(n: int, itemsize: int) -> int:
-    """How many rows of an (n, H) fp32 accumulator an (n, H) gradient of ``itemsize`` bytes holds."""
-    return n * itemsize // 4
+def _tiles(dtype, h, where, softcap: bool, bias: bool):
+    """(the chunked path's row block, the recompute backward's tiles): the tables' (``configs``),
+    which the plan's chunks and blocks are cut in."""
+    chunked = configs.chunked_epilogue(configs.tiles("chunked", dtype, h, where=where), softcap, bias)
+    return chunked.block_n, configs.dlogits_config(dtype, h=h, where=where)
 
 
-def _token_rows(units: int, per_row: int, block_n: int) -> int:
-    """How many rows of ``per_row`` units each (a whole vocabulary row's elements or bytes) ``units``
-    hold, in row blocks, at least one."""
-    return max(block_n, (units // per_row) // block_n * block_n)
+def _whole_fits(opts: Options, n: int, v: int, dtype: torch.dtype) -> bool:
+    """Whether the whole (N, V) buffer fits in ``chunk_bytes`` beside the gradients (one chunk)."""
+    return n * v * dtype.itemsize <= chunk_budget(opts.chunk_bytes, chunked=True)
 
 
-def _vocab_cols(elems: int, n: int, block_v: int) -> int:
-    """Columns of all N rows that ``elems`` elements hold, in vocabulary tiles (may be 0)."""
-    return (elems // max(n, 1)) // block_v * block_v
+def _grad_weight_dtype(dtype: torch.dtype, master: bool) -> torch.dtype:
+    """The chunked path's grad_weight dtype (``chunked.weight_grad_dtype``)."""
+    return torch.float32 if master or dtype == torch.float16 else dtype
 
 
-def plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v) -> BackwardPlan:
-    """The backward's blocking for a da buffer of at most ``chunk_bytes`` (default
-    DEFAULT_CHUNK_BYTES). Whole when it fits; otherwise whole rows of the vocabulary in token chunks
-    or whole columns of the batch in vocabulary chunks, whichever needs the smaller fp32
-    accumulator (V x H for token chunks, N x H for vocabulary chunks). fp32 inputs accumulate in
-    their own gradients and need neither."""
-    elems = max(1, chunk_budget(chunk_bytes) // dtype.itemsize)
-    fp16ish = dtype != torch.float32
-    if n * v <= elems:
-        return BackwardPlan(n, v, False, False)
-    token = BackwardPlan(_token_rows(elems, v, block_n), v, False, fp16ish)
-    vocab_cols = _vocab_cols(elems, n, block_v)
-    if vocab_cols < block_v:
-        return token
-    vocab = BackwardPlan(n, vocab_cols, fp16ish, False)
-    itemsize = dtype.itemsize
-    return min((vocab, token), key=lambda p: p.extra_bytes(n, v, h, itemsize))
+def hosted_chunk(opts, n, v, h, dtype, need_dw: bool, master: bool) -> int | None:
+    """The slab rows when the call runs in one chunk whose (N, V) buffer lives in grad_weight's
+    memory (``hosted_slab_rows``): grad_weight wanted and the whole buffer not within ``chunk_bytes``."""
+    if not need_dw or _whole_fits(opts, n, v, dtype):
+        return None
+    return hosted_slab_rows(n, v, h, dtype, _grad_weight_dtype(dtype, master), opts.chunk_bytes)
 
 
-def plan_passes(n, v, h, dtype, chunk_bytes, block_n, block_v, need_rows, need_dw, *,
-                may_pair=False, fp32_weight_grad=False) -> tuple[BackwardPlan, ...]:
-    """The recompute backward's passes, so that its extra memory (da blocks and fp32 accumulators)
-    stays within ``chunk_bytes`` at any N. ``need_rows``: grad_hidden or grad_bias is wanted.
-
-    - The whole plane when it fits; fp32 inputs: ``plan_backward`` (no accumulator).
-    - Only grad_hidden/grad_bias: token blocks of whole vocabulary rows, each row's gradient
-      complete in one product. Only grad_weight: vocabulary blocks of all N rows, likewise.
-    - Both, in one pass, when an fp32 accumulator (N x H for vocabulary blocks, else V x H) takes
-      at most half the budget; the da block gets the rest. The N x H one is hosted
-      (``BackwardPlan.hosted``): grad_hidden's own memory holds half of it (16-bit), so only the
-      other half counts, and the da block (then at least H columns) takes its copy at the end.
-    - Else, when grad_weight's own memory holds the N x H fp32 accumulator (V >= 2N for 16-bit
-      inputs), one pass of vocabulary blocks with the accumulator borrowed from grad_weight's last
-      rows (``borrows_weight_grad``): the budget is all da block. The blocks over those rows but the
-      last get their grad_weight after grad_hidden is final, from their logits recomputed once
-      more: (2N - cols) / V of a product more.
-    - Else, when ``may_pair`` (bf16, no bias gradient, no vocabulary shard) and an int8 (N, H)
-      remainder leaves room for blocks of at least one tile: one pass of vocabulary blocks with
-      grad_hidden summed as a bf16 + int8 pair (``BackwardPlan.paired``), four products. Its budget
-      when ``chunk_bytes`` is None is DEFAULT_PAIRED_BYTES (the remainder is N x H bytes: 256 MiB at
-      N = 65536, H = 4096), else ``chunk_bytes``.
-    - Else, when ``fp32_weight_grad`` (an fp32 master weight: grad_weight is fp32 and its own
-      accumulator), one pass of token blocks of whole vocabulary rows, grad_weight summed over them
-      in place: four products, the budget all da block (``dw_accumulator`` False: no other buffer).
-    - Otherwise two passes, each without an accumulator: token blocks for grad_hidden and
-      grad_bias, then vocabulary blocks for grad_weight. The logits are recomputed once more
-      (5 products instead of 4), and the memory stays flat in N.
-    """
-    budget = chunk_budget(chunk_bytes)
-    item = dtype.itemsize
-    elems = max(1, budget // item)
-    if n * v <= elems or dtype == torch.float32:
-        return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)
-
-    rows_only = _token_rows(budget, v * item + 4 * h, block_n)  # da rows + their fp32 product
-    rows_pass = BackwardPlan(rows_only, v, False, False, True, False)
-    all_cols = _vocab_cols(elems, n, block_v)
-    dw_pass = BackwardPlan(n, all_cols, False, False, False, True) if all_cols >= block_v else None
-    if not need_dw:
-        return (rows_pass,)
-    if not need_rows and dw_pass is not None:
-        return (dw_pass,)
-    acc_x, acc_w = 4 * n * h - 4 * h * hosted_rows(n, item), 4 * v * h  # acc_x: the part not hosted
-    cols = _vocab_cols(max(0, budget - acc_x) // item, n, block_v)
-    if acc_x <= budget // 2 and cols >= max(block_v, h):
-        return (BackwardPlan(n, cols, True, False, hosted=True),)
-    if acc_w <= budget // 2:
-        return (BackwardPlan(_token_rows((budget - acc_w) // item, v, block_n), v, False, True),)
-    if dw_pass is not None and borrows_weight_grad(n, v, dtype):
-        return (BackwardPlan(n, all_cols, True, False, borrowed=True),)
-    if may_pair and dtype == torch.bfloat16:
-        paired_budget = DEFAULT_PAIRED_BYTES if chunk_bytes is None else budget
-        cols = _vocab_cols(max(0, paired_budget - n * h) // item, n, block_v)
-        if cols >= block_v:
-            return (BackwardPlan(n, cols, True, False, paired=True),)
-    if fp32_weight_grad:
-        return (BackwardPlan(_token_rows(elems, v, block_n), v, False, False),)
-    if dw_pass is not None:
-        return (rows_pass, dw_pass)
-    return (plan_backward(n, v, h, dtype, chunk_bytes, block_n, block_v),)  # N too large for whole columns
+def _long_context_budget(opts, n, v, h, dtype, needs, master, sharded, dlogits) -> int | None:
+    """The chunk budget when "auto" takes LONG_CONTEXT, else None: bf16 (not an fp32 master weight,
+    not a vocabulary shard), options the chunked path takes, more than one chunk, and a shape at
+    which the recompute path's default holds no fp32 accumulator (``plan_passes`` at the default
+    budget gives the paired plan or two passes: V < 2N and N x H past the hosted plan's budget, as at
+    65536 x 4096 x 128256). There grad_weight is summed across chunks as a bf16 + 4-bit pair in the
+    rest of ``chunk_bytes`` (default DEFAULT_PAIRED_BYTES; ``lean_chunk_bytes``, None where fewer
+    than LEAN_MIN_ROWS rows fit): three products instead of four, faster with more memory (H200, S4:
+    404 ms in 512 MiB, 349 in 1.25 GiB, against 442 for the recompute path's fp32 accumulator in 1 GiB)."""
+    if (opts.strategy != "auto" or dtype != torch.bfloat16 or master or sharded
+            or chunked_unsupported(opts) is not None or _whole_fits(opts, n, v, dtype)):
+        return None
+    need_dx, need_dw, need_db = needs
+    passes = plan_passes(n, v, h, dtype, None, dlogits.block_n, dlogits.block_v, need_dx or need_db, need_dw,
+                         may_pair=True)
+    if len(passes) == 1 and not passes[0].paired:
+        return None
+    return lean_chunk_bytes(v, h, dtype, opts.chunk_bytes)
 
 
-def borrows_weight_grad(n: int, v: int, dtype: torch.dtype) -> bool:
-    """Whether grad_weight's (V, H) memory in ``dtype`` holds an (N, H) fp32 accumulator: V >= 2N
-    for 16-bit inputs (fp32 inputs need no accumulator)."""
-    return dtype != torch.float32 and v * dtype.itemsize >= 4 * n
+def _recompute(mode, opts, n, v, h, dtype, needs, master, sharded, dlogits) -> Plan:
+    """``mode`` with the recompute backward's passes: pairs where there is no bias gradient and no
+    vocabulary shard; an fp32 master weight's gradient is its own accumulator."""
+    need_dx, need_dw, need_db = needs
+    passes = plan_passes(n, v, h, dtype, opts.chunk_bytes, dlogits.block_n, dlogits.block_v, need_dx or need_db,
+                         need_dw, may_pair=not sharded and not need_db, fp32_weight_grad=master)
+    borrowed = bool(len(passes) == 1 and passes[0].borrowed and need_dx and need_dw and n > 0)
+    return Plan(mode, passes=passes, borrowed=borrowed)
 
 
-def borrowed_order(v: int, cols: int, first_borrowed_row: int):
-    """The borrowed plan's column blocks (col0, c), laid out from the end so that the last block is
-    whole: those clear of the accumulator first, then those over it, the last block last."""
-    blocks = [(max(0, end - cols), end - max(0, end - cols)) for end in range(v, 0, -cols)][::-1]
-    clear = [b for b in blocks if b[0] + b[1] <= first_borrowed_row]
-    return clear, blocks[len(clear) :]
+def plan_loss(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, *, master: bool = False,
+              sharded: bool = False, bias: bool = False, where=None) -> Plan:
+    """The loss's plan (``needs``: grad_hidden, grad_weight, grad_bias wanted; ``master``: an fp32
+    master weight; ``sharded``: a vocabulary shard; ``bias``: a bias is given; ``where``: the
+    device, whose family's tiles cut the chunks and blocks).
+
+    "auto" takes the gradients-in-forward modes when the options allow them (``chunked_unsupported``)
+    and the whole (N, V) buffer fits in ``chunk_bytes`` (one chunk), or the weight is an fp32 master
+    weight (its fp32 gradient is the accumulator: any number of chunks costs only the chunk's
+    buffer), or the buffer fits in grad_weight's memory (HOSTED), or at long context (LONG_CONTEXT);
+    else RECOMPUTE. "chunked" always takes them, "recompute" never."""
+    if not any(needs):
+        return Plan(VALUES)
+    block_n, dlogits = _tiles(dtype, h, where, opts.softcap is not None, bias)
+    master = master and dtype != torch.float32
+    lean = _long_context_budget(opts, n, v, h, dtype, needs, master, sharded, dlogits)
+    slab = None if lean is not None else hosted_chunk(opts, n, v, h, dtype, needs[1], master)
+    takes = opts.strategy == "chunked" or (
+        opts.strategy == "auto" and chunked_unsupported(opts) is None
+        and (master or _whole_fits(opts, n, v, dtype) or slab is not None or lean is not None))
+    if not takes:
+        return _recompute(RECOMPUTE, opts, n, v, h, dtype, needs, master, sharded, dlogits)
+    mode = LONG_CONTEXT if lean is not None else HOSTED if slab is not None else CHUNKED
+    if n == 0:
+        return Plan(mode)
+    budget = opts.chunk_bytes if lean is None else lean
+    if budget is None and master and slab is None:
+        budget = DEFAULT_MASTER_BYTES
+    rows = n if slab is not None else chunk_rows(n, v, dtype, budget, block_n)
+    head = (hosted_head(n, v, h, dtype, _grad_weight_dtype(dtype, master), rows, block_n)
+            if slab is None and needs[1] and rows < n else None)
+    return Plan(mode, budget, rows, head[0] if head else 0, slab or (head[1] if head else 0))
+
+
+def exponentials_unsupported(opts: Options, n: int, v: int, dtype: torch.dtype) -> str | None:
+    """Why EXPONENTIALS cannot take this per-token call, or None."""
+    if opts.softcap is not None and "entropy" in opts.outputs:
+        return ("a softcap together with the entropy (the buffer's exponentials carry the softcap's "
+                "derivative, and the entropy's gradient needs z back from them)")
+    need = n * v * dtype.itemsize
+    budget = chunk_budget(opts.chunk_bytes, chunked=True)
+    if need > budget:
+        return (f"N x V = {n} x {v} exponentials ({need} bytes in {dtype}) held from the forward to the backward "
+                f"beyond chunk_bytes={budget}")
+    return None
+
+
+def plan_tokens(opts: Options, n: int, v: int, h: int, dtype: torch.dtype, needs, *, master: bool = False,
+                sharded: bool = False, where=None) -> Plan:
+    """The per-token call's plan: EXPONENTIALS with strategy="chunked" (validated beforehand), or
+    "auto" where the exponentials fit (``exponentials_unsupported``); else RECOMPUTE (VALUES without
+    a gradient). Both carry the recompute backward's passes: EXPONENTIALS for a second backward."""
+    if not any(needs):
+        return Plan(VALUES)
+    keeps = opts.strategy != "recompute" and n > 0 and (
+        opts.strategy == "chunked" or exponentials_unsupported(opts, n, v, dtype) is None)
+    _, dlogits = _tiles(dtype, h, where, False, False)
+    master = master and dtype != torch.float32
+    return _recompute(EXPONENTIALS if keeps else RECOMPUTE, opts, n, v, h, dtype, needs, master, sharded, dlogits)
 
 
 # The divergence's chunks (``divergence.py``). A chunk row's two fp32 logit rows: bytes a class.
@@ -324,10 +294,7 @@ class DivergenceChunks:
 
     rows: int
     group: int
-
-    @property
-    def own_da(self) -> bool:
-        return self.group > self.rows
+    own_da: bool = False
 
 
 def _divergence_aligned(rows: int) -> int:
@@ -360,4 +327,28 @@ def plan_divergence_chunks(n: int, v: int, chunk_bytes: int | None, da_bytes: in
     if group >= n:
         group = n
         rows = max(rows, min(n, _divergence_aligned((budget - da_bytes * n * v) // (LOGIT_PAIR_BYTES * v))))
-    return DivergenceChunks(rows, group) if group > in_place else DivergenceChunks(in_place, in_place)
+    if group <= in_place:
+        return DivergenceChunks(in_place, in_place)
+    return DivergenceChunks(rows, group, bool(group > rows))
+
+
+@dataclass(frozen=True)
+class DivergencePlan:
+    """The divergence call's plan: CHUNKED (the gradients formed in the forward), RECOMPUTE or
+    VALUES; the forward's chunks and the backward's (a recompute of the gradients; on CHUNKED the
+    log-prob term's alone), None without a gradient."""
+
+    mode: str
+    forward: DivergenceChunks
+    backward: DivergenceChunks | None
+
+
+def plan_divergence(strategy: str, reduction: str, n: int, v: int, dtype: torch.dtype, chunk_bytes: int | None,
+                    needs) -> DivergencePlan:
+    """"auto" takes CHUNKED for "mean" / "sum" (one upstream scalar), RECOMPUTE for "none"; either is
+    VALUES without a gradient. CHUNKED's forward forms da, so its chunks leave room for da's buffer."""
+    resolved = strategy if strategy != "auto" else ("recompute" if reduction == "none" else "chunked")
+    mode = VALUES if not any(needs) else CHUNKED if resolved == "chunked" else RECOMPUTE
+    forward = plan_divergence_chunks(n, v, chunk_bytes, dtype.itemsize if mode == CHUNKED else None)
+    backward = plan_divergence_chunks(n, v, chunk_bytes, dtype.itemsize) if mode != VALUES else None
+    return DivergencePlan(mode, forward, backward)

@@ -4,7 +4,7 @@ gradient da, then the two products per block (the math: ``logits.py`` and ``loss
 ``dlogits_kernel`` turns one block into da (the gradient of the pre-scale logits) in the input dtype,
 from fp32 logits recomputed tile by tile and the forward's log-sum-exp. ``products`` then runs
 grad_hidden[rows] (+)= da @ weight[cols] and grad_weight[cols] (+)= da^T @ hidden[rows] with fp32
-accumulation. The blocks and passes come from ``plan.plan_passes``: the ordinary block loop
+accumulation. The blocks and passes come from the call's plan (``plan.Plan.passes``): the ordinary block loop
 (``_block_passes``; one pass of vocabulary blocks whose fp32 grad_hidden accumulator is half hosted
 in grad_hidden's own memory; for long context, one pass whose grad_hidden is summed as a bf16 + int8
 pair, ``products.compensated``), or one pass whose grad_hidden accumulator lives in grad_weight's own
@@ -17,8 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, device, losses, pairs, parallel, plan, products
+from . import autotune, device, losses, pairs, parallel, products
+from .backward_passes import borrowed_order, hosted_rows
 from .logits import grouped_tile, label_terms, logit_tile, softcap_grad, store_dlogits
+from .plan import Plan
 from .sweep import bias_args, tuning_variant
 from .validate import Options
 
@@ -162,7 +164,7 @@ class _Dlogits:
             targets.stride(0), dlogits.stride(0), tile_scale, softcap, softcap_out, grad_scale, n,
             self.shard.offset if self.shard is not None else 0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None,
-            SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=coef.shape[0] > 3,
+            SMOOTHING=opts.label_smoothing > 0, ENTROPY_GRAD=losses.entropy_term(coef),
             HAS_CLASS_WEIGHT=class_weight is not None,
             BIAS_GRAD=bias_grad,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, GROUP_M=cfg.group_m,
@@ -175,7 +177,7 @@ class _Dlogits:
 def _borrow_accumulator(grad_weight: torch.Tensor, n: int, h: int):
     """An fp32 (n, h) view of grad_weight's last bytes (16-byte aligned), and the first
     vocabulary row it overlaps. The caller writes those rows of grad_weight only once the
-    accumulator is spent (``plan.borrows_weight_grad`` says when it fits)."""
+    accumulator is spent (``backward_passes.borrows_weight_grad`` says when it fits)."""
     per = 4 // grad_weight.element_size()
     start = (grad_weight.numel() - per * n * h) // 8 * 8
     return device.fp32_view(grad_weight, (n, h), start), start // h
@@ -270,7 +272,7 @@ def _allocate(hidden, weight, coef, class_weight, opts: Options, passes, needs, 
     dx_lo = dx_hosted = None
     if need_dx and dx_pass.hosted:
         grad_hidden = device.new((n, h), dtype, where)
-        split = plan.hosted_rows(n, dtype.itemsize)
+        split = hosted_rows(n, dtype.itemsize)
         dx_hosted = device.fp32_view(grad_hidden, (split, h))
         dx_acc = device.new((n - split, h), torch.float32, where)
     elif need_dx and borrowed:
@@ -302,13 +304,13 @@ def _borrowed_pass(dlogits_of, g: _Gradients, hidden, weight, cols, need_db, sha
     """The one pass of vocabulary blocks of all N rows whose fp32 grad_hidden accumulator is
     grad_weight's last rows (``BackwardPlan.borrowed``): the blocks clear of those rows get their
     grad_weight at once; the others, once grad_hidden is final, the last from its da still at hand
-    and the rest from their da recomputed (``plan.borrowed_order``)."""
+    and the rest from their da recomputed (``backward_passes.borrowed_order``)."""
     n = hidden.shape[0]
     v = weight.shape[0]
     block_n = dlogits_of.cfg.block_n
     dlogits = device.new((n, cols), hidden.dtype, hidden.device)
     dbias = device.new((triton.cdiv(n, block_n), v), torch.float32, hidden.device) if need_db else None
-    clear, over = plan.borrowed_order(v, cols, g.first_borrowed_row)
+    clear, over = borrowed_order(v, cols, g.first_borrowed_row)
 
     assert not g.dw_deferred  # each block's grad_weight is complete in one product (all N rows)
 
@@ -367,10 +369,10 @@ def _block_passes(dlogits_of, g: _Gradients, hidden, weight, passes, needs, shar
         del dlogits, dbias, da  # the next pass's blocks take their place
 
 
-def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, need_dx, need_dw, need_db,
-             shard=None, common=None, cfg=None, dw_dtype=None):
-    """Recompute backward over blocks of the (N, V) plane, in one or two passes
-    (``plan.plan_passes``). Per block:
+def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Options, plan: Plan, need_dx, need_dw,
+             need_db, shard=None, common=None, cfg=None, dw_dtype=None):
+    """Recompute backward over blocks of the (N, V) plane, in the passes of ``plan``
+    (``plan.plan_loss`` / ``plan_tokens``: ``backward_passes.plan_passes``). Per block:
     da in the input dtype, then grad_hidden[rows] (+)= da @ weight[cols] and
     grad_weight[cols] (+)= da^T @ hidden[rows], each product's K reduction in one fp32 accumulator;
     sums across blocks go through an fp32 buffer unless the gradient is fp32 itself (16-bit: cuBLAS
@@ -394,13 +396,10 @@ def backward(hidden, weight, targets, bias, class_weight, lse2, coef, opts: Opti
     needs = (need_dx, need_dw, need_db)
     if cfg is None:
         cfg = autotune.choose("dlogits", hidden, v, lambda c: backward(
-            hidden, weight, targets, bias, class_weight, lse2, coef, opts, *needs, shard, common, cfg=c,
+            hidden, weight, targets, bias, class_weight, lse2, coef, opts, plan, *needs, shard, common, cfg=c,
             dw_dtype=dw_dtype),
             opts.chunk_bytes, shard, variant=tuning_variant(hidden, weight, bias, class_weight, opts, *needs))
-    passes = plan.plan_passes(n, v, h, hidden.dtype, opts.chunk_bytes, cfg.block_n, cfg.block_v, need_dx or need_db,
-                              need_dw, may_pair=shard is None and not need_db,
-                              fp32_weight_grad=dw_dtype == torch.float32 and hidden.dtype != torch.float32)
-    borrowed = len(passes) == 1 and passes[0].borrowed and need_dx and need_dw and n > 0
+    passes, borrowed = plan.passes, plan.borrowed
     coef, g = _allocate(hidden, weight, coef, class_weight, opts, passes, needs, borrowed, shard, common, dw_dtype)
     dlogits_of = _Dlogits(hidden, weight, targets, bias, class_weight, lse2, coef, opts, shard, cfg)
     if borrowed:

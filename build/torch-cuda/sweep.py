@@ -3,7 +3,7 @@ memory (the math: ``logits.py``).
 
 Nothing of size (N, V) is written: each program of ``sweep_kernels.lse_sweep_kernel`` keeps its rows'
 running statistics in registers and writes O(BLOCK_N) numbers per vocabulary split
-(``plan.vocab_splits``); ``sweep_kernels.combine_kernel`` merges the splits. This module is the host
+(``vocab_split.vocab_splits``); ``sweep_kernels.combine_kernel`` merges the splits. This module is the host
 side: it allocates, picks the tiles and launches both; no validation (``validate.py``), no autograd
 (``ops.py``), no host synchronisation: every size comes from shapes, never from tensor values.
 
@@ -18,7 +18,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune, configs, device, parallel, pingpong, plan, sweep_kernels
+from . import autotune, configs, device, parallel, pingpong, sweep_kernels, vocab_split
 from .validate import Options
 
 # Planes of the fp32 partial statistics (planes, SPLIT, N) that ``sweep_kernels.combine_kernel``
@@ -28,6 +28,9 @@ from .validate import Options
 # weights, or 1; with label smoothing or the mean logit), and sum of exp(2 (z - max)) (with
 # log_sum_sq_probs). At most NUM_STATS.
 NUM_STATS = 7
+# The planes of ``sweep_kernels.lse_sweep_kernel``'s per-split statistics, in its order; a call fills
+# the first ones it needs (``_triton_sweep``).
+MAX_PLANE, SUM_PLANE, ENTROPY_PLANE, BEST_PLANE, SUM_Z_PLANE, SQUARES_PLANE = range(6)
 # The merge kernel's tile: rows per program x splits per step (memory-bound and small).
 _COMBINE_BLOCK, _COMBINE_SPLITS = 64, 32
 
@@ -113,11 +116,11 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
-    metrics, smoothing, squares = sums(opts)  # smoothing: the SUM_Z plane
+    metrics, sum_z, squares = sums(opts)
     # On Hopper at small H a per-token sweep (with the metrics' sums, without label smoothing's and the
     # squares) runs as a ping-pong kernel (``pingpong.py``, which says why not the loss's); the chunked
     # path's (e_out) and a caller's tiles (autotuning's candidates) stay here.
-    plain = (bool(opts.outputs) and not (smoothing or squares) and bias is None and class_weight is None
+    plain = (bool(opts.outputs) and not (sum_z or squares) and bias is None and class_weight is None
              and opts.softcap is None)
     hopper = e_out is None and cfg is None and pingpong.eligible(hidden, weight, plain)
     if cfg is None and not hopper:  # the chunked path (e_out) always passes the tiles its gradient kernel uses
@@ -128,7 +131,7 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
     offset, v_total = (shard.offset, shard.v_total) if shard is not None else (0, v)
     lse2 = device.new((2, n), torch.float32, where)
     z_target = device.new((n,), torch.float32, where)
-    wz = device.new((n,), torch.float32, where) if smoothing else None
+    wz = device.new((n,), torch.float32, where) if sum_z else None
     entropy = device.new((n,), torch.float32, where) if metrics else None
     best = device.new((n,), torch.float32, where) if metrics else None
     argmax_out = device.new((n,), torch.int64, where) if metrics else None
@@ -145,10 +148,10 @@ def sweep(hidden, weight, targets, bias, class_weight, opts: Options, shard=None
                                               z_target, scratch)
     sweep_kernels.combine_kernel[(triton.cdiv(n, _COMBINE_BLOCK),)](
         stats, argmax, targets, lse2, z_target,
-        wz if smoothing else z_target, entropy if metrics else z_target, best if metrics else z_target,
+        wz if sum_z else z_target, entropy if metrics else z_target, best if metrics else z_target,
         argmax_out if metrics else argmax, squares_out if squares else z_target, n, v, v_total, offset, splits,
         splits * n, targets.stride(0),
-        METRICS=metrics, SMOOTHING=smoothing, SQUARES=squares, Z_PLANE=int(hopper), BLOCK=_COMBINE_BLOCK,
+        METRICS=metrics, SUM_Z=sum_z, SQUARES=squares, Z_PLANE=int(hopper), BLOCK=_COMBINE_BLOCK,
         SPLIT_BLOCK=_COMBINE_SPLITS,
     )
     if shard is not None:
@@ -164,15 +167,16 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
     n, h = hidden.shape
     v = weight.shape[0]
     where = hidden.device
-    metrics, smoothing, squares = sums(opts)
+    metrics, sum_z, squares = sums(opts)
     n_blocks = triton.cdiv(n, cfg.block_n)
     n_tiles = triton.cdiv(v, cfg.block_v)
     if e_out is None:
-        splits, tiles_per_split = plan.tile_ranges(n_blocks, n_tiles, where, resident=cfg.resident)
+        splits, tiles_per_split = vocab_split.tile_ranges(n_blocks, n_tiles, where, resident=cfg.resident)
     else:
         splits, tiles_per_split = n_tiles, 1
     # Only the planes this call fills: max, sum (+ entropy and best with metrics, + wz, + squares).
-    n_stats = 6 if squares else 5 if smoothing else 4 if metrics else 2
+    last = SQUARES_PLANE if squares else SUM_Z_PLANE if sum_z else BEST_PLANE if metrics else SUM_PLANE
+    n_stats = last + 1
     stats = device.fp32_fit(scratch, (n_stats, splits, n)) if scratch is not None else None
     if stats is None:
         stats = device.new((n_stats, splits, n), torch.float32, where)
@@ -201,7 +205,7 @@ def _triton_sweep(hidden, weight, targets, bias, class_weight, opts: Options, of
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), stride_b,
         targets.stride(0), tile_scale, softcap, softcap_out, tiles_per_split, splits, offset, opts.ignore_index,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, METRICS=metrics,
-        SMOOTHING=smoothing, SQUARES=squares, HAS_CLASS_WEIGHT=class_weight is not None,
+        SUM_Z=sum_z, SQUARES=squares, HAS_CLASS_WEIGHT=class_weight is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=h % cfg.block_h == 0,
         TMA=tma, EVEN_V=v % cfg.block_v == 0, STORE_E=e_out is not None, E_TMA=e_tma, E_T=e_t,
         GROUP_M=group_m, SKIP_IGNORED=skip_ignored(opts),

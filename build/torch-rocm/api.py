@@ -95,20 +95,8 @@ def fused_linear_cross_entropy(
             it again), and its own shard's weight and bias gradients. See ``parallel.py``.
         chunk_bytes: the memory knob (default: 192 MiB on the recompute path, 256 MiB chunks on the
             chunked path). On the recompute path, the most bytes the backward's gradient-of-logits
-            blocks and fp32 accumulators take together, at any N: it
-            walks the (N, V) plane in blocks of whole vocabulary rows or whole batch columns, in one
-            pass when an fp32 accumulator (N x H or V x H) fits in half the budget (for 16-bit
-            inputs, half of the N x H one lives in grad_hidden's own memory and is not counted);
-            else, for 16-bit inputs with V >= 2N, in one pass with the N x H accumulator in
-            grad_weight's own memory;
-            else, for bf16 without a bias gradient or a vocabulary shard (long context), in one pass
-            with grad_hidden summed as a pair, itself and an int8 N x H remainder (within 512 MiB
-            when ``chunk_bytes`` is None: 256 MiB of it the remainder at 65536 x 4096; "auto" takes
-            the chunked path there instead, below); else, for an
-            fp32 master weight, in one pass of token blocks summing its fp32 gradient in place; else
-            in two passes without one (grad_hidden, then grad_weight: the logits are recomputed once
-            more).
-            fp32 inputs accumulate in their own gradients. On the chunked path it bounds the buffer
+            blocks and fp32 accumulators take together, at any N (how it walks the (N, V) plane
+            within them: ``backward_passes.plan_passes``). On the chunked path it bounds the buffer
             of one chunk of rows instead (plus, with several chunks, the int8 V x H remainder of a
             bf16 grad_weight); on "auto"'s long-context chunked path, the buffer and its 4-bit
             V x H / 2 remainder together. Larger means fewer, larger products; see the README for
@@ -120,13 +108,8 @@ def fused_linear_cross_entropy(
             place; with more than one chunk a bf16 grad_weight is summed across them as a pair,
             itself and an int8 V x H remainder), and the backward only scales them; not with
             ``reduction="none"``, ``return_lse`` or softcap together with label smoothing
-            (ValueError). "auto" (default): "chunked" when the options allow it and the whole (N, V)
-            gradient fits in ``chunk_bytes`` (one chunk; 256 MiB by default) or the weight is an fp32 master weight
-            under autocast (any N), or at long context (bf16, a shape where the recompute path's default
-            would hold no fp32 accumulator: V < 2N and N x H past its budget, as at 65536 x 4096 x
-            128256): the chunked path within ``chunk_bytes`` (default 512 MiB there), grad_weight summed
-            across chunks as a bf16 + 4-bit pair (V x H / 2 bytes, ~12 bits of each partial sum) and
-            chunks of rows in the rest, when at least 1024 rows fit; else "recompute". The
+            (ValueError). "auto" (default): "chunked" where the options allow it and it saves time
+            or memory (the rule, decided once per call: ``plan.plan_loss``), else "recompute". The
             chunked path holds the gradients from the forward to the backward, and its first backward
             scales bf16 / fp32 ones in place into ``.grad``: a second through the same graph
             (``retain_graph=True``) raises, where "recompute" backwards any number of times. Without gradients

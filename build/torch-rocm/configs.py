@@ -5,9 +5,9 @@ the one record of each family; ``tables``); autotuning for the exact shape is op
 (``autotune.py``), so tests never pay for tuning and importing never touches the GPU. The interpreter
 has tables of its own that only keep CPU tests quick. ``override`` is the one way to try other tiles.
 
-How the work is cut (the vocabulary split, the backward plan, the memory knob) is ``plan.py``; what
-the device can do is ``device.py``. Their public names are re-exported here, where the published API
-(tests/public_api.json) has them.
+How the work is cut (the memory knob, the modes) is ``plan.py`` (with ``backward_passes.py`` and
+``vocab_split.py``); what the device can do is ``device.py``, whose public names are re-exported
+here, where the published API (tests/public_api.json) has them.
 """
 
 import contextlib
@@ -19,20 +19,14 @@ import triton
 from . import archs, device
 from .archs import DIVERGENCE_ROW_LAUNCHES, MATMUL_ROLES, ROLES, MatmulConfig, PingpongConfig, Tables, TileConfig
 from .device import fp_fusion, input_precision, interpreted, sm_count, tma_hardware, tma_layout  # re-exported
-from .plan import (  # re-exported
-    DEFAULT_CHUNK_BYTES, DEFAULT_CHUNKED_BYTES, DEFAULT_DIVERGENCE_BYTES, DEFAULT_PAIRED_BYTES, BackwardPlan,
-    borrows_weight_grad, chunk_budget, chunk_rows, plan_backward, plan_passes, vocab_splits,
-)
 
 __all__ = [  # the public names (scripts/public_api.py), the re-exported ones included
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CHUNKED_BYTES", "DEFAULT_DIVERGENCE_BYTES", "DEFAULT_PAIRED_BYTES",
-    "DIVERGENCE_ROW_LAUNCHES", "ROLES", "BackwardPlan", "MatmulConfig", "PingpongConfig", "TileConfig",
-    "MATMUL_ROLES", "borrows_weight_grad", "Tables", "INTERPRETER",
-    "candidates", "chunked_epilogue", "chunk_budget", "chunk_rows", "override", "tables",
+    "DIVERGENCE_ROW_LAUNCHES", "ROLES", "MatmulConfig", "PingpongConfig", "TileConfig",
+    "MATMUL_ROLES", "Tables", "INTERPRETER",
+    "candidates", "chunked_epilogue", "override", "tables",
     "divergence_launches", "divergence_row_config", "transposed_store_tma", "triton_version",
     "dlogits_config", "fp_fusion", "input_precision", "interpreted", "matmul_config", "pingpong",
-    "plan_backward", "plan_passes", "sm_count", "sweep_config", "tiles", "tma_hardware", "tma_layout",
-    "vocab_splits",
+    "sm_count", "sweep_config", "tiles", "tma_hardware", "tma_layout",
 ]
 
 # The interpreter's tables: every program runs in numpy, so fewer, larger tiles are faster; tl.dot

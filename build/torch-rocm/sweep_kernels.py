@@ -50,7 +50,7 @@ def lse_sweep_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     METRICS: tl.constexpr,
-    SMOOTHING: tl.constexpr,
+    SUM_Z: tl.constexpr,
     SQUARES: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,7 +75,7 @@ def lse_sweep_kernel(
     that holds the target; the split holding it stores it as the row's result, the merge leaves it
     there), with METRICS the sum of exp(z - m) * (z - m) (moved along with m, so
     the entropy log-sum - that / sum never cancels two values near the max) and the running argmax,
-    with SMOOTHING the sum of w[v] * z (label smoothing's mean logit, class-weighted when
+    with SUM_Z the sum of w[v] * z (label smoothing's mean logit, class-weighted when
     HAS_CLASS_WEIGHT; the plain mean logit), and with SQUARES the rescaled sum of exp(2 (z - m)).
     fp32, no atomics.
 
@@ -157,7 +157,7 @@ def lse_sweep_kernel(
                              mask=mask_n[:, None] & mask_v[None, :])
             is_target = tl.arange(0, BLOCK_V)[None, :] == (target_col - vt * BLOCK_V)[:, None]
             z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
-            if SMOOTHING:
+            if SUM_Z:
                 if HAS_CLASS_WEIGHT:
                     w = tl.load(class_weight_ptr + cols)
                     wz += tl.sum(tl.where(mask_v[None, :], w[None, :] * z, 0.0), axis=1)
@@ -186,7 +186,7 @@ def lse_sweep_kernel(
         tl.store(base + 2 * plane, pz, mask=mask_n)
         tl.store(base + 3 * plane, best, mask=mask_n)
         tl.store(argmax_ptr + pid_s.to(tl.int64) * N + offs_n, best_idx, mask=mask_n)
-    if SMOOTHING:
+    if SUM_Z:
         tl.store(base + 4 * plane, wz, mask=mask_n)
     if SQUARES:
         tl.store(base + 5 * plane, s2, mask=mask_n)
@@ -202,7 +202,7 @@ def combine_kernel(
     z_target_ptr,  # (N,) fp32 out: the target's logit (0 when another shard holds it); NaN for a
     #                target outside [0, V_total). Without Z_PLANE the sweep wrote the rows whose
     #                target this weight holds; the merge writes the others.
-    wz_ptr,  # (N,) fp32 out when SMOOTHING: sum_v w[v] z[v]
+    wz_ptr,  # (N,) fp32 out when SUM_Z: sum_v w[v] z[v]
     entropy_ptr,  # (N,) fp32 out when METRICS
     best_ptr,  # (N,) fp32 out when METRICS: the largest logit
     argmax_out_ptr,  # (N,) int64 out when METRICS: its global class id (first on ties)
@@ -215,7 +215,7 @@ def combine_kernel(
     plane,  # SPLIT * N, from the host so it is int64 whenever it needs to be
     stride_t,
     METRICS: tl.constexpr,
-    SMOOTHING: tl.constexpr,
+    SUM_Z: tl.constexpr,
     SQUARES: tl.constexpr,
     Z_PLANE: tl.constexpr,  # 1: the target logit is plane 2 and the later planes one further on; 0: none
     BLOCK: tl.constexpr,
@@ -266,7 +266,7 @@ def combine_kernel(
             better = step_best > best
             best = tl.where(better, step_best, best)
             best_idx = tl.where(better, step_idx, best_idx)
-        if SMOOTHING:
+        if SUM_Z:
             wz_all += tl.sum(tl.load(p + (4 + Z_PLANE) * plane, mask=tile, other=0.0), axis=0)
         if SQUARES:
             s2_all += tl.sum(tl.load(p + (5 + Z_PLANE) * plane, mask=tile, other=0.0) * (scale * scale), axis=0)
@@ -281,7 +281,7 @@ def combine_kernel(
     else:
         in_shard = (target >= vocab_offset) & (target < vocab_offset + V)
         tl.store(z_target_ptr + offs, tl.where(in_range, 0.0, float("nan")), mask=mask & ~in_shard)
-    if SMOOTHING:
+    if SUM_Z:
         tl.store(wz_ptr + offs, wz_all, mask=mask)
     if SQUARES:
         tl.store(squares_ptr + offs, s2_all, mask=mask)

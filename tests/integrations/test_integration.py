@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from cases import Case, make_inputs
 from conftest import DEVICE, ON_GPU, rel_err
-from fused_linear_ce import fused_linear_cross_entropy, ops
+from fused_linear_ce import fused_linear_cross_entropy, opargs, ops, plan
 from fused_linear_ce.validate import Options
 
 
@@ -29,8 +29,10 @@ def test_custom_ops_pass_opcheck(strategy):
     w = weight.clone().requires_grad_(True)
     return_lse = strategy == "recompute"
     opts = Options(label_smoothing=0.1, z_loss=1e-3, return_metrics=True, return_lse=return_lse, strategy=strategy)
-    args = (h2, w, None, targets.reshape(-1), None, None, ops.scalars(opts), -100, False, "mean", True, True,
-            return_lse, None, strategy, 0, True, True, False)
+    p = plan.plan_loss(opts, h2.shape[0], w.shape[0], h2.shape[1], h2.dtype, (True, True, False))
+    assert (p.mode == plan.RECOMPUTE) == (strategy == "recompute")
+    args = (h2, w, None, targets.reshape(-1), None, None, ops.scalars(opts), -100, "mean", True, return_lse, None, 0,
+            p.mode, opargs.encode(p), True, True, False)
     torch.library.opcheck(ops.forward, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -114,6 +116,7 @@ def test_num_items_in_batch_divides_the_summed_loss(as_tensor):
         fused_linear_cross_entropy(hidden, weight, targets, reduction="none", num_items_in_batch=3)
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 def test_num_items_in_batch_gradients_on_both_paths(strategy):
     """The divisor is inside the op and is applied to the products (recompute: in fp32, one rounding;
@@ -157,6 +160,7 @@ def test_metric_sums_add_up_across_shards():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.tier
 def test_cuda_graph_capture_and_replay_on_new_data():
     hidden, weight, targets = _problem(b=4, t=64, h=256, v=5000, dtype=torch.bfloat16)
     h = hidden.clone().requires_grad_(True)

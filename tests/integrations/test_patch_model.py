@@ -542,6 +542,7 @@ def test_refusals():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (peak memory)")
+@pytest.mark.tier
 def test_peak_memory_is_lower_than_unpatched_at_a_32k_vocabulary():
     """bf16 Llama, vocabulary 32000, 4 x 1024 tokens: the unpatched forward + backward holds the bf16
     logits, their fp32 copy and its gradient; the patched one none of them."""

@@ -48,6 +48,7 @@ def test_the_environment_variable_turns_it_on(monkeypatch):
     assert not autotune.enabled()
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("strategy, roles", [("recompute", {"sweep", "dlogits"}), ("chunked", {"chunked"})])
 def test_tunes_each_stage_once_per_shape_and_stays_exact(strategy, roles, monkeypatch):
     """Every candidate of each stage the call runs is timed once, the fastest is kept per key, the
@@ -143,6 +144,7 @@ def test_no_tuning_for_a_vocabulary_shard_or_an_empty_batch():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a GPU")
+@pytest.mark.tier
 def test_no_tuning_during_cuda_graph_capture():
     autotune.enable(True)
 

@@ -180,6 +180,7 @@ class _Layout:
         return torch.equal(bits(self.hi_full), bits(hi_before)) and torch.equal(bits(self.lo_full), bits(lo_before))
 
 
+@pytest.mark.tier_if(lambda kind, dtype: kind == "tma" and dtype == torch.bfloat16)
 @DTYPES
 @pytest.mark.parametrize("kind", ["tma", "pointers", "tma-view"])
 def test_ragged_edges_through_descriptors_and_pointers(dtype, kind, monkeypatch):
@@ -490,7 +491,7 @@ def _pair_4bit(hi, lo):
 
 @pytest.mark.parametrize("p", [64, 41], ids=["descriptors", "pointers-odd"])
 def test_a_4bit_remainder_holds_the_sum_to_12_bits(p):
-    """The long-context chunked path's grad_weight (``chunked.long_context_budget``): a bf16 hi with
+    """The long-context chunked path's grad_weight (``plan.LONG_CONTEXT``): a bf16 hi with
     4-bit remainders two a byte, (M, ceil(P / 2)) bytes. The same 24 products as above: the pair
     within the bound with a split of 2^-12 of each partial sum (s's bits rounded to their top 20);
     hi the exact sum rounded once but near a tie (one ulp); the plain bf16 sum far worse. P = 64: the

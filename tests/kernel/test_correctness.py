@@ -44,7 +44,7 @@ for dtype in DTYPES:
         Case(77, 96, 500, dtype, "mean", grad=("bias",), bias=True),
         Case(77, 96, 500, dtype, "none", ignore_index=3, ignored=0.2),
     ]
-# The backward's blocking (configs.plan_passes; CPU tiles 16 x 256): whole plane; token chunks with
+# The backward's blocking (``backward_passes.plan_passes``; CPU tiles 16 x 256): whole plane; token chunks with
 # the V x H accumulator (16-bit: the fallback when no vocabulary block of all rows fits); vocabulary
 # chunks (16-bit: one pass with the N x H accumulator borrowed from grad_weight; fp32: one pass); one
 # pass of vocabulary chunks with the N x H accumulator's extra half in half the budget (72000 bytes,
@@ -101,6 +101,12 @@ for dtype in DTYPES:
     ]
 
 
+# The GPU tier: the cases that name a path (both paths, every dtype) and the GPU-size cases.
+TIER = pytest.mark.tier_if(
+    lambda case: "strategy" in case.extra or (case.n, case.h, case.v) in ((1000, 512, 50257), (4096, 1024, 32001)))
+
+
+@TIER
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_float64_reference(case):
     check_three_way(case)
@@ -122,6 +128,7 @@ for dtype in DTYPES:
     ]
 
 
+@TIER
 @pytest.mark.parametrize("case", POINTER_CASES, ids=lambda c: c.id)
 def test_pointer_loads_match_float64_reference(case):
     with configs.override(each=lambda cfg: dataclasses.replace(cfg, tma=False)):

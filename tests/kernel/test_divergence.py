@@ -200,9 +200,9 @@ def test_bf16_weight_gradient(strategy, reduction, chunk_bytes, groups, small_gr
 
 @pytest.mark.parametrize("strategy,reduction", [("chunked", "mean"), ("recompute", "none")])
 def test_own_da_buffer(strategy, reduction, small_groups, monkeypatch):
-    """da in a buffer of its own (``plan.plan_divergence_chunks``): four chunks of 8 rows fill a group of
+    """da in a buffer of its own (``plan.plan_divergence``): four chunks of 8 rows fill a group of
     32, whose gradient products run once; the ragged last group takes the rest."""
-    assert plan_module.plan_divergence_chunks(N, V, OWN_DA_FP32, 4) == plan_module.DivergenceChunks(8, 32)
+    assert plan_module.plan_divergence_chunks(N, V, OWN_DA_FP32, 4) == plan_module.DivergenceChunks(8, 32, True)
     calls = _count_groups(monkeypatch)
     _check(_inputs(torch.float32, bias=True), torch.float32, beta=0.3, strategy=strategy, reduction=reduction,
            chunk_bytes=OWN_DA_FP32, student_softcap=5.0, lp_grad=reduction == "none")
@@ -225,12 +225,12 @@ def test_plan_chunks(monkeypatch):
     groups than da over the teacher's buffer; everything within the budget."""
     monkeypatch.setattr(divergence.device, "interpreted", lambda: False)
     plan, v, mib = plan_module.plan_divergence_chunks, 151936, 1 << 20
-    assert plan(8192, v, None, 2) == plan_module.DivergenceChunks(256, 1184)  # 7 groups against 16 in place
-    assert plan(8192, v, 512 * mib, 2) == plan_module.DivergenceChunks(256, 736)  # 12 against 19
+    assert plan(8192, v, None, 2) == plan_module.DivergenceChunks(256, 1184, True)  # 7 groups against 16 in place
+    assert plan(8192, v, 512 * mib, 2) == plan_module.DivergenceChunks(256, 736, True)  # 12 against 19
     assert plan(8192, v, 512 * mib, 4) == plan_module.DivergenceChunks(432, 432)  # fp32 da: 371 rows alone, fewer
     assert plan(8192, v, None, None) == plan_module.DivergenceChunks(544, 544)  # values only
     assert plan(300, v, None, 2) == plan_module.DivergenceChunks(300, 300)  # one chunk
-    assert plan(8192, v, 4096 * mib, 2) == plan_module.DivergenceChunks(1472, 8192)  # all rows' da; wider chunks
+    assert plan(8192, v, 4096 * mib, 2) == plan_module.DivergenceChunks(1472, 8192, True)  # all rows' da; wider chunks
     for n in (1000, 8192, 65536):
         for budget in (64 * mib, 512 * mib, 1024 * mib, 4096 * mib):
             for da in (None, 2, 4):
@@ -374,7 +374,7 @@ def test_nothing_counted_has_zero_gradients_over_no_rows(strategy, nothing, deno
 def test_chunked_second_backward_raises_the_losss_error(dtype):
     """The chunked strategy scales its forward's gradients in place in the first backward (fp32 / bf16
     ones, already in the leaves' dtype): a second backward through the same graph raises the loss's
-    clear error (``ops.check_spent``) naming fused_linear_divergence, before anything is written;
+    clear error (``saved_gradients.check_spent``) naming fused_linear_divergence, before anything is written;
     fp16's fp32 unit gradients are scaled into new tensors, so its second backward is the first's
     again. strategy="recompute", which the message names, backwards the graph any number of times."""
     inputs = _inputs(dtype, bias=True)
@@ -588,7 +588,7 @@ def test_gpu_memory_within_the_budget_and_flat_in_n():
     4-bit remainder, a group's fp32 grad_hidden product and 1 MiB of O(N) statistics, and the same
     at 4x the rows (2 and 8 groups)."""
     v, h_s, h_t, budget = 32768, 512, 768, 128 << 20
-    assert plan_module.plan_divergence_chunks(8192, v, budget, 2) == plan_module.DivergenceChunks(256, 1024)
+    assert plan_module.plan_divergence_chunks(8192, v, budget, 2) == plan_module.DivergenceChunks(256, 1024, True)
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = (torch.randn(v, h_s, device="cuda", generator=g) / h_s**0.5).bfloat16().requires_grad_()
     wt = (torch.randn(v, h_t, device="cuda", generator=g) / h_t**0.5).bfloat16()

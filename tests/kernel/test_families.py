@@ -21,7 +21,7 @@ import test_divergence
 import test_logprobs
 from cases import Case, check_three_way
 from conftest import ON_GPU
-from fused_linear_ce import archs, chunked, configs, device, pingpong
+from fused_linear_ce import archs, configs, device, pingpong, plan
 from fused_linear_ce.validate import Options
 
 # (capability, the shared memory a block may opt into, SMs): a GPU of each family, and its family.
@@ -209,8 +209,8 @@ def test_the_planner_cuts_by_the_family_tiles(monkeypatch):
         mock_gpu(monkeypatch, name)
         cfg = configs.dlogits_config(torch.bfloat16, h=4096, where=CUDA)
         assert cfg == configs.tiles("dlogits", torch.bfloat16, 4096, where=GPUS[name][3])
-        budget = chunked.long_context_budget(opts, 65536, 128256, 4096, torch.bfloat16, needs, False, False, CUDA)
-        assert budget is not None, name  # the 4-bit pair's long-context plan on every family
+        p = plan.plan_loss(opts, 65536, 128256, 4096, torch.bfloat16, needs, where=CUDA)
+        assert p.mode == plan.LONG_CONTEXT, name  # the 4-bit pair's long-context plan on every family
 
 
 def test_divergence_rows_take_the_family_launches(monkeypatch):

@@ -7,7 +7,7 @@ from conftest import ON_GPU, rel_err
 from fused_linear_ce import fused_linear_cross_entropy
 from fused_linear_ce.reference import chunked_linear_cross_entropy
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (realistic sizes)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (realistic sizes)"), pytest.mark.tier]
 
 
 def _inputs(n, h, v, peaked, seed=0):
@@ -40,7 +40,7 @@ def test_llama_shape_bf16_against_fp32_reference(peaked, chunk_bytes):
     assert rel_err(wd.grad, ref_dw / count) < 3e-3
 
 
-# Every plan of the backward at this size (configs.plan_passes, GPU tiles) and the chunked path.
+# Every plan of the backward at this size (``backward_passes.plan_passes``, GPU tiles) and the chunked path.
 RARE_ROW_SETTINGS = {
     "default": dict(),  # auto: the chunked path in one chunk (the 250 MiB plane fits in its 256 MiB)
     "recompute": dict(strategy="recompute"),  # 192 MiB: the hosted N x H accumulator, two vocabulary blocks

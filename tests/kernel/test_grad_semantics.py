@@ -24,6 +24,7 @@ def _loss(leaves, targets, case, **kw):
                                       reduction=case.reduction, chunk_bytes=case.chunk_bytes, **kw)
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("case", [
     Case(33, 40, 300, torch.float32, "mean", bias=True, ignored=0.2),  # chunked (auto: the plane fits)
     Case(33, 40, 300, torch.float16, "sum", bias=True, ignored=0.2, extra=dict(strategy="chunked")),

@@ -1,4 +1,4 @@
-"""The hosted accumulator (configs.plan_passes, ``BackwardPlan.hosted``): grad_hidden's fp32 sum over
+"""The hosted accumulator (``backward_passes.plan_passes``, ``BackwardPlan.hosted``): grad_hidden's fp32 sum over
 vocabulary blocks keeps its first rows in grad_hidden's own 16-bit memory and the rest in an extra
 buffer; at the end the hosted rows are copied into the spent da block before grad_hidden's rows
 overwrite them. These check that the plan is the one that runs, and that its gradients are those of
@@ -13,6 +13,8 @@ import torch
 
 from conftest import DEVICE, ON_GPU
 from fused_linear_ce import fused_linear_cross_entropy, plan, recompute
+
+pytestmark = pytest.mark.tier  # the GPU tier: every test of this file
 
 H, V, CHUNK = 96, 500, 72000  # two vocabulary blocks of 256 + 244 columns (CPU and GPU tiles: 256 wide)
 

@@ -1,5 +1,5 @@
 """The chunked path in one chunk whose (N, V) buffer lives in grad_weight's own memory
-(``chunked.hosted_slab_rows``): where N elements of the input dtype fit in a row of grad_weight (N <=
+(``plan.hosted_chunk``): where N elements of the input dtype fit in a row of grad_weight (N <=
 H for bf16, N <= 2H for an fp32 master weight's gradient) the buffer is class-major there, class v
 in the first bytes of row v, and grad_weight is computed a slab of rows at a time into a slab-sized
 buffer that is copied over the rows its product has just read.
@@ -58,9 +58,14 @@ def slabs(monkeypatch):
 
 
 def _slab(n, h, v, dtype=torch.bfloat16, master=False, need_dw=True, **options):
-    return chunked.hosted_slab_rows(Options(**options), n, v, h, dtype, need_dw, master)
+    return plan.hosted_chunk(Options(**options), n, v, h, dtype, need_dw, master)
 
 
+def _mode(opts, n, v, h):
+    return plan.plan_loss(opts, n, v, h, torch.bfloat16, (True, True, False)).mode
+
+
+@pytest.mark.tier
 def test_an_fp32_master_weight_at_s1_runs_one_chunk_in_its_gradient():
     """8192 x 4096 x 128256 with an fp32 master weight: 8192 bf16 entries fill a 4096-float row of
     grad_weight exactly, so the whole 2 GiB buffer lives in the 2 GiB gradient; the default 256 MiB
@@ -81,13 +86,13 @@ def test_bf16_hosts_up_to_h_tokens_and_auto_takes_it():
     does not fit and keeps it."""
     n, h, v = 4096, 4096, 128256
     assert _slab(n, h, v) == plan.DEFAULT_CHUNKED_BYTES // (h * 2)
-    assert chunked.use(Options(), n, v, h, torch.bfloat16, (True, True, False))
+    assert _mode(Options(), n, v, h) == plan.HOSTED
     assert _slab(*S1) is None
-    assert not chunked.use(Options(), S1[0], S1[2], S1[1], torch.bfloat16, (True, True, False))
+    assert _mode(Options(), S1[0], S1[2], S1[1]) == plan.RECOMPUTE
     assert _slab(n, h, v, dtype=torch.float32) is not None  # fp32 entries in an fp32 row: N <= H
     assert _slab(n + 8, h, v, dtype=torch.float32) is None
     assert _slab(2 * n, h, v, dtype=torch.float16) is not None  # fp16's fp32 gradient: N <= 2H
-    assert not chunked.use(Options(strategy="recompute"), n, v, h, torch.bfloat16, (True, True, False))
+    assert _mode(Options(strategy="recompute"), n, v, h) == plan.RECOMPUTE
 
 
 # H = 160: three column tiles of the interpreter's 64-wide matmul tiles, so a slab product that wrote
@@ -105,6 +110,7 @@ CASES = [
 ]
 
 
+@pytest.mark.tier_if(lambda case: case.dtype == torch.bfloat16)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_hosted_is_bit_identical_to_the_row_major_chunk(case, slabs):
     """Hosted (class-major in grad_weight, slabs of rows) against one row-major chunk: the same bits
@@ -128,6 +134,7 @@ def test_hosted_is_bit_identical_to_the_row_major_chunk(case, slabs):
             _same(g, whole_grads[key], case.dtype)
 
 
+@pytest.mark.tier
 def test_an_fp32_master_weight_hosts_its_bf16_buffer(slabs):
     """bf16 activations with an fp32 weight under autocast: the bf16 buffer, twice as many tokens as
     a row of fp32 gradient would hold in bf16, in the fp32 gradient; the same bits as one row-major
@@ -296,6 +303,7 @@ def _expected_slab(case, dw_itemsize):
     return case.chunk_bytes // (case.h * dw_itemsize) // 16 * 16
 
 
+@pytest.mark.tier_if(lambda case: case.dtype == torch.bfloat16)
 @pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c.id)
 def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, head, slabs):
     """The first chunk hosted (class-major in grad_weight, its dW a slab at a time through the later
@@ -316,6 +324,7 @@ def test_the_hosted_head_is_bit_identical_to_the_same_chunks_row_major(case, hea
     check_three_way(case)  # both share the head's products: against float64 as well
 
 
+@pytest.mark.tier
 def test_an_fp32_master_weights_head_is_summed_unscaled_like_its_chunks(head, slabs):
     """An fp32 master weight (bf16 products, every chunk's dW summed unscaled and the factor applied
     once at the end): its head of 2H rows is written unscaled too (scaling it there as well would
@@ -336,8 +345,9 @@ def test_an_fp32_master_weights_head_is_summed_unscaled_like_its_chunks(head, sl
     assert rel_err(grads["hidden"], xx.grad) <= 8e-3
 
 
+@pytest.mark.tier
 def test_the_long_context_head_starts_the_4bit_pair(monkeypatch, head, slabs):
-    """The long-context default (bf16, grad_weight as a bf16 + 4-bit pair, ``long_context_budget``;
+    """The long-context default (bf16, grad_weight as a bf16 + 4-bit pair, ``plan.LONG_CONTEXT``;
     its budget stands in for S4's here): the head's slabs start the pair, hi through the buffer and
     the 4-bit remainder straight into its rows, and the later chunks sum into it. Bit for bit the
     row-major head's, and against float64 (``check_three_way``)."""

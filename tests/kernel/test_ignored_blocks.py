@@ -58,6 +58,7 @@ CASES += [
 ]
 
 
+@pytest.mark.tier_if(lambda case: case.bias and "strategy" in case.extra)  # each dtype on both paths
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_exact_around_ignored_blocks(case):
     inputs = blocky(case)
@@ -68,6 +69,7 @@ def test_exact_around_ignored_blocks(case):
         assert torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
 
 
+@pytest.mark.tier
 def test_the_sweep_leaves_neutral_statistics_in_skipped_blocks():
     """On any device: a wholly ignored block's rows get the neutral m = 0, log-sum 0 (only a skipped
     block writes those), a partly ignored block's ignored rows their real statistics; with the lse
@@ -83,6 +85,7 @@ def test_the_sweep_leaves_neutral_statistics_in_skipped_blocks():
     assert rel_err(kept.lse, expected) < 1e-5
 
 
+@pytest.mark.tier
 def test_returned_lse_covers_ignored_blocks():
     """The lse is returned for every row, ignored ones too: nothing is skipped then, and its
     gradient reaches the ignored rows."""

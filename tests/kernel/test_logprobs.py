@@ -81,13 +81,14 @@ VARIANTS = {  # name: (kwargs, outputs)
 }
 
 
+@pytest.mark.tier_if(lambda dtype: dtype == "bf16")
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fields_and_gradients_match_float64(dtype, strategy, variant):
     dtype = DTYPES[dtype]
     kwargs, outputs = VARIANTS[variant]
-    if strategy == "chunked" and "softcap" in kwargs:  # not with the entropy (tokens.chunked_unsupported)
+    if strategy == "chunked" and "softcap" in kwargs:  # not with the entropy (plan.exponentials_unsupported)
         outputs = tuple(f for f in outputs if f != "entropy")
     hidden, weight, targets, bias = _inputs(dtype, peaked=True)
     leaves = _leaves(hidden, weight, bias)
@@ -271,6 +272,7 @@ def test_empty_batch(strategy):
     assert not leaves[1].grad.any() and not leaves[2].grad.any()
 
 
+@pytest.mark.tier
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 def test_compiles_without_a_graph_break_and_equals_eager(strategy):
     hidden, weight, targets, bias = _inputs(torch.float32)
@@ -295,6 +297,7 @@ def test_compiles_without_a_graph_break_and_equals_eager(strategy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.tier
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 def test_cuda_graph_capture_and_replay_on_new_data(strategy):
     """A GRPO-like step (log-probs and entropy with gradients) captured once and replayed on new inputs

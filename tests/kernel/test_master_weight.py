@@ -21,6 +21,7 @@ from conftest import DEVICE, ON_GPU, rel_err
 from fused_linear_ce import ChunkedLogProbFunction, chunked, configs, fused_linear_cross_entropy, fused_linear_logprobs
 from fused_linear_ce import products
 from fused_linear_ce import plan as plan_module
+from fused_linear_ce.validate import Options
 
 MiB = 1 << 20
 N, H, V = 200, 48, 320
@@ -148,7 +149,7 @@ def test_auto_takes_the_chunked_path_for_a_master_weight_at_any_n(monkeypatch):
 
     monkeypatch.setattr(chunked, "forward", spy)
     cfg = configs.sweep_config(torch.bfloat16, chunked=True)
-    assert configs.chunk_rows(N, V, torch.bfloat16, budget, cfg.block_n) < N  # several chunks
+    assert plan_module.chunk_rows(N, V, torch.bfloat16, budget, cfg.block_n) < N  # several chunks
     _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=True, chunk_bytes=budget)
     assert calls == []
     _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=False, chunk_bytes=budget)
@@ -204,6 +205,7 @@ def test_compiles_without_a_graph_break_under_autocast(per_token):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU memory")
+@pytest.mark.tier
 def test_extra_memory_is_the_weight_copy_and_the_chunk():
     """N = 8192, H = 2048, V = 32000, fp32 weight under bf16 autocast, several 32 MiB chunks: the peak
     above the inputs and the fp32 gradients is the bf16 copy of the weight the products read (what
@@ -400,4 +402,4 @@ def test_several_chunks_take_the_master_default_budget_and_one_chunk_is_hosted(m
     monkeypatch.setattr(plan_module, "DEFAULT_MASTER_BYTES", N * V * 2)  # the whole plane: one chunk
     _run(hidden, weight, targets, torch.bfloat16, 1.0, cast_first=False)
     assert calls == []
-    assert chunked.hosted_slab_rows(chunked.Options(), 8192, 128256, 4096, torch.bfloat16, True, True) is not None
+    assert plan_module.hosted_chunk(Options(), 8192, 128256, 4096, torch.bfloat16, True, True) is not None

@@ -4,12 +4,12 @@ started, and the peak over them stays within the documented bound for the chosen
 
 The bound, from the code (``sweep.py``, ``recompute.py``, ``chunked.py``, ``ops.py``, ``losses.py``), above the inputs themselves:
 - the gradients being returned: N x H + V x H in the input dtype;
-- the largest ``extra_bytes`` of ``configs.plan_passes(...)``: the da block (rows x cols, input
+- the largest ``extra_bytes`` of ``plan.plan_passes(...)``: the da block (rows x cols, input
   dtype) plus the fp32 accumulator of whichever gradient is summed over blocks (N x H or V x H; none
   when the plane fits, in two passes, or when the N x H one lives in grad_weight's memory), at most
   ``chunk_bytes``;
 - O(N): the forward's partial statistics (NUM_STATS x SPLIT x N fp32, SPLIT from
-  ``configs.vocab_splits``), and per-row fp32 / int64 / bool vectors (lse, target logit, loss terms,
+  ``vocab_split.vocab_splits``), and per-row fp32 / int64 / bool vectors (lse, target logit, loss terms,
   target weights, the backward's (3, N) coefficients and their temporaries), fewer than 32 of them;
 - a product whose output has fewer tiles than half the SMs (a ragged last block) runs on cuBLAS
   with an fp32 result: at most (SMs / 2) tiles of 128 x 256 fp32 (``gemm.few_tiles``);
@@ -38,7 +38,7 @@ import torch
 import triton
 
 from conftest import ON_GPU
-from fused_linear_ce import configs, fused_linear_cross_entropy
+from fused_linear_ce import configs, fused_linear_cross_entropy, plan, vocab_split
 from fused_linear_ce.sweep import NUM_STATS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (memory statistics)")]
@@ -85,15 +85,15 @@ def _bound(chunk_bytes, strategy) -> int:
     gradients = (N * H + V * H) * itemsize
     if strategy == "chunked":
         cfg = configs.sweep_config(DTYPE, chunked=True)
-        rows = configs.chunk_rows(N, V, DTYPE, chunk_bytes, cfg.block_n)
+        rows = plan.chunk_rows(N, V, DTYPE, chunk_bytes, cfg.block_n)
         tile_stats = 2 * triton.cdiv(V, cfg.block_v) * 4  # bytes a row, in grad_hidden's row where they fit
         forward = rows * V * itemsize + (tile_stats * rows if tile_stats > H * itemsize else 0)
         if rows < N:
             forward += V * H  # grad_weight's int8 remainder (a compensated pair across chunks)
         return gradients + max(forward, 2 * gradients) + 32 * 8 * N + ALLOCATOR_SLACK + CUBLAS_SLACK
     cfg, tiles = configs.sweep_config(DTYPE), configs.dlogits_config(DTYPE)
-    passes = configs.plan_passes(N, V, H, DTYPE, chunk_bytes, tiles.block_n, tiles.block_v, True, True)
-    splits = configs.vocab_splits(triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v), torch.device("cuda"))
+    passes = plan.plan_passes(N, V, H, DTYPE, chunk_bytes, tiles.block_n, tiles.block_v, True, True)
+    splits = vocab_split.vocab_splits(triton.cdiv(N, cfg.block_n), triton.cdiv(V, cfg.block_v), torch.device("cuda"))
     per_row = 4 * N * NUM_STATS * splits + 32 * 8 * N
     mm = configs.matmul_config(DTYPE)
     few_tile_result = configs.sm_count(torch.device("cuda")) // 2 * mm.block_m * mm.block_p * 4
@@ -101,6 +101,7 @@ def _bound(chunk_bytes, strategy) -> int:
             + ALLOCATOR_SLACK)
 
 
+@pytest.mark.tier_if(lambda chunk_bytes, strategy: (chunk_bytes, strategy) in ((None, "recompute"), (16 * MiB, "chunked")))
 @pytest.mark.parametrize("strategy", ["recompute", "chunked"])
 @pytest.mark.parametrize("chunk_bytes", [None, 16 * MiB], ids=["default", "16MiB"])
 def test_thousand_calls_do_not_leak_and_peak_within_the_documented_bound(chunk_bytes, strategy):
@@ -168,15 +169,15 @@ def test_default_setting_is_flat_in_n():
     """Flat memory: at the default the extra memory is bounded at any N. The chunked path's 256 MiB
     while the whole plane fits in one chunk (N = 4096: its 250 MiB plane); DEFAULT_PAIRED_BYTES
     (512 MiB) for long context, where the chunked path sums grad_weight as a bf16 + 4-bit pair
-    (``chunked.long_context_budget``: a 31 MiB remainder and 7808-row chunks in the rest), the same
+    (``plan.LONG_CONTEXT``: a 31 MiB remainder and 7808-row chunks in the rest), the same
     at 8x those tokens (N = 262144)."""
     h, v = 2048, 32000
     small = _extra_mib(4096, h, v)
     large = _extra_mib(32768, h, v)
     huge = _extra_mib(262144, h, v)
     per_row = 32 * 8 * 262144 / MiB
-    paired = configs.DEFAULT_PAIRED_BYTES / MiB
+    paired = plan.DEFAULT_PAIRED_BYTES / MiB
     assert small >= 200, "the small case should hold its whole 250 MiB plane"
-    assert small <= configs.DEFAULT_CHUNKED_BYTES / MiB + per_row
+    assert small <= plan.DEFAULT_CHUNKED_BYTES / MiB + per_row
     assert 400 <= large <= paired + per_row, f"{large:.0f} MiB at N=32768"
     assert 400 <= huge <= paired + per_row, f"{huge:.0f} MiB at N=262144"

@@ -8,7 +8,7 @@ import triton
 
 from cases import Case, make_inputs, ours
 from conftest import DEVICE, reference, rel_err
-from fused_linear_ce import configs, fused_linear_cross_entropy, plan
+from fused_linear_ce import configs, fused_linear_cross_entropy, vocab_split
 
 METRIC_CASES = [
     Case(77, 96, 500, torch.float32, "mean", ignored=0.2),
@@ -88,12 +88,12 @@ def test_argmax_ties_across_many_splits_take_the_first_class(strategy, monkeypat
     targets[::2] = 5  # 12 rows: right only if the first tied class wins
     targets[1::4] = 3000  # 6 rows: right only if the middle one wins
     hidden.requires_grad_(True)
-    monkeypatch.setattr(plan, "_CPU_SPLITS", 10**6)
+    monkeypatch.setattr(vocab_split, "_CPU_SPLITS", 10**6)
     cfg = configs.sweep_config(torch.float32, chunked=strategy == "chunked")
     if configs.interpreted() or DEVICE == "cpu":
-        assert configs.vocab_splits(1, triton.cdiv(v, cfg.block_v), torch.device(DEVICE)) == 41
+        assert vocab_split.vocab_splits(1, triton.cdiv(v, cfg.block_v), torch.device(DEVICE)) == 41
     else:
-        assert configs.vocab_splits(1, triton.cdiv(v, cfg.block_v), torch.device(DEVICE), resident=cfg.resident) > 32
+        assert vocab_split.vocab_splits(1, triton.cdiv(v, cfg.block_v), torch.device(DEVICE), resident=cfg.resident) > 32
     loss, got = fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True, strategy=strategy)
     want_loss, want = reference.linear_cross_entropy(hidden.detach(), weight, targets, return_metrics=True)
     assert got["mean_token_accuracy"].item() == pytest.approx(want["mean_token_accuracy"].item(), abs=1e-6)

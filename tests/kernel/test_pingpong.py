@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import ON_GPU, rel_err
-from fused_linear_ce import configs, fused_linear_cross_entropy, fused_linear_logprobs, parallel, pingpong, plan, sweep
+from fused_linear_ce import configs, fused_linear_cross_entropy, fused_linear_logprobs, parallel, pingpong, sweep
+from fused_linear_ce import vocab_split
 from fused_linear_ce.validate import Options
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and pingpong.HAVE_GLUON
@@ -20,6 +21,7 @@ LOG_PROBS = Options(reduction="none", outputs=("log_probs",))  # what a referenc
 SFT = Options(reduction="none", outputs=("log_probs", "entropy", "is_top1"))  # the metrics' sums too
 
 
+@pytest.mark.tier_if(lambda expected: expected)  # the call the rule takes
 @pytest.mark.parametrize("facts, expected", [
     (dict(), True),
     (dict(h=configs.pingpong(1).max_h + 64), False),  # outside the bucket: the Triton sweep is faster there
@@ -85,6 +87,7 @@ def _float64(hidden, weight, targets):
 
 
 @on_hopper
+@pytest.mark.tier_if(lambda dtype: dtype == torch.bfloat16)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n, h, v, splits", [
     (300, 320, 1000, 1),  # ragged rows, K and vocabulary; consumer 1 one tile short
@@ -94,7 +97,7 @@ def _float64(hidden, weight, targets):
 ], ids=["ragged", "even-v", "h2048-3splits", "one-tile"])
 def test_matches_float64_and_the_triton_sweep(dtype, n, h, v, splits, monkeypatch):
     hidden, weight, targets = _inputs(n, h, v, dtype)
-    monkeypatch.setattr(plan, "vocab_splits", lambda *a, **k: splits)
+    monkeypatch.setattr(vocab_split, "vocab_splits", lambda *a, **k: splits)
     gluon = _stats(hidden, weight, targets, SFT, monkeypatch, True)
     triton_ = _stats(hidden, weight, targets, SFT, monkeypatch, False)
     lse, zt, ent = _float64(hidden, weight, targets)
@@ -118,7 +121,7 @@ def test_argmax_is_the_first_class_on_ties_across_consumers_and_splits(monkeypat
     hidden, weight, targets = _inputs(n, h, v, torch.bfloat16)
     for cls in (700, 300, 1290):  # tiles 2, 1, 5 of 256 columns: both consumers, and both splits
         weight[cls] = 4 * hidden[0]  # one logit far above the rest of row 0, three times
-    monkeypatch.setattr(plan, "vocab_splits", lambda *a, **k: 2)
+    monkeypatch.setattr(vocab_split, "vocab_splits", lambda *a, **k: 2)
     got = _stats(hidden, weight, targets, SFT, monkeypatch, True)
     assert got.argmax[0].item() == 300
 
@@ -136,6 +139,7 @@ def test_the_loss_and_the_sums_only_the_triton_sweep_carries_stay_there(opts, mo
 
 
 @on_hopper
+@pytest.mark.tier
 def test_a_vocabulary_shard_and_ignored_blocks(monkeypatch):
     n, h, v = 256, 256, 1100
     hidden, weight, targets = _inputs(n, h, v, torch.bfloat16)
@@ -154,6 +158,7 @@ def test_a_vocabulary_shard_and_ignored_blocks(monkeypatch):
 
 
 @on_hopper
+@pytest.mark.tier
 def test_the_per_token_fields_take_it_forward_and_backward(monkeypatch):
     monkeypatch.delenv("FUSED_LINEAR_CE_PINGPONG", raising=False)
     calls = _spy(monkeypatch)

@@ -1,48 +1,49 @@
-"""The backward's blocking plan (configs.plan_backward): which blocks, which fp32 accumulators."""
+"""The backward's blocking plan (backward_passes.plan_backward): which blocks, which fp32 accumulators."""
 
 import pytest
 import torch
 import triton
 
-from fused_linear_ce import configs, device
-from fused_linear_ce.plan import hosted_rows
+from fused_linear_ce import backward_passes, configs, device
+from fused_linear_ce import plan as planner
+from fused_linear_ce.backward_passes import hosted_rows
 
 BLOCK_N, BLOCK_V = 16, 256
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_whole_plane_when_it_fits(dtype):
-    plan = configs.plan_backward(77, 500, 96, dtype, 77 * 500 * dtype.itemsize, BLOCK_N, BLOCK_V)
+    plan = backward_passes.plan_backward(77, 500, 96, dtype, 77 * 500 * dtype.itemsize, BLOCK_N, BLOCK_V)
     assert (plan.rows, plan.cols, plan.dx_accumulator, plan.dw_accumulator) == (77, 500, False, False)
 
 
 def test_token_chunks_when_the_vocabulary_block_would_be_too_narrow():
-    plan = configs.plan_backward(77, 500, 96, torch.bfloat16, 16 * 500 * 2, BLOCK_N, BLOCK_V)
+    plan = backward_passes.plan_backward(77, 500, 96, torch.bfloat16, 16 * 500 * 2, BLOCK_N, BLOCK_V)
     assert (plan.rows, plan.cols, plan.dw_accumulator, plan.dx_accumulator) == (16, 500, True, False)
 
 
 def test_vocabulary_chunks_when_their_accumulator_is_smaller():
-    plan = configs.plan_backward(77, 500, 96, torch.bfloat16, 77 * 256 * 2, BLOCK_N, BLOCK_V)
+    plan = backward_passes.plan_backward(77, 500, 96, torch.bfloat16, 77 * 256 * 2, BLOCK_N, BLOCK_V)
     assert (plan.rows, plan.cols, plan.dx_accumulator, plan.dw_accumulator) == (77, 256, True, False)
 
 
 def test_llama_shape_default_picks_vocabulary_chunks_within_budget():
     n, h, v = 8192, 4096, 128256
-    plan = configs.plan_backward(n, v, h, torch.bfloat16, None, 128, 256)
+    plan = backward_passes.plan_backward(n, v, h, torch.bfloat16, None, 128, 256)
     assert plan.rows == n and plan.cols < v
-    assert plan.rows * plan.cols * 2 <= configs.DEFAULT_CHUNK_BYTES
+    assert plan.rows * plan.cols * 2 <= backward_passes.DEFAULT_CHUNK_BYTES
     # N x H fp32 (128 MiB) instead of V x H fp32 (2 GiB)
-    assert plan.extra_bytes(n, v, h, 2) <= configs.DEFAULT_CHUNK_BYTES + n * h * 4
+    assert plan.extra_bytes(n, v, h, 2) <= backward_passes.DEFAULT_CHUNK_BYTES + n * h * 4
 
 
 def test_fp32_inputs_need_no_accumulator():
-    plan = configs.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V)
+    plan = backward_passes.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V)
     assert plan.extra_bytes(77, 500, 96, 4) == plan.rows * plan.cols * 4
 
 
 def _passes(n, h, v, budget, needs=(True, True), dtype=torch.bfloat16, block_n=128, block_v=256):
     """The plans of a call with a bias gradient or a vocabulary shard (no paired plan)."""
-    return configs.plan_passes(n, v, h, dtype, budget, block_n, block_v, *needs)
+    return backward_passes.plan_passes(n, v, h, dtype, budget, block_n, block_v, *needs)
 
 
 @pytest.mark.parametrize("n", [8192, 16384, 65536, 262144])
@@ -50,7 +51,7 @@ def test_extra_memory_stays_within_the_budget_at_any_n(n):
     """The recompute backward's da blocks and fp32 accumulators never pass ``chunk_bytes``: the
     default's memory is flat in N."""
     h, v = 4096, 128256
-    budget = configs.DEFAULT_CHUNK_BYTES
+    budget = backward_passes.DEFAULT_CHUNK_BYTES
     passes = _passes(n, h, v, None)
     assert max(p.extra_bytes(n, v, h, 2) for p in passes) <= budget
     assert any(p.rows_grads for p in passes) and any(p.weight_grad for p in passes)
@@ -67,9 +68,9 @@ def test_one_pass_with_the_accumulator_half_hosted_in_grad_hidden(n, h, v, cols)
     assert (plan.rows, plan.dx_accumulator, plan.dw_accumulator, plan.hosted) == (n, True, False, True)
     assert not (plan.borrowed or plan.paired)
     extra_acc = (n - hosted_rows(n, 2)) * h * 4
-    assert extra_acc <= configs.DEFAULT_CHUNK_BYTES // 2
-    assert plan.cols == (configs.DEFAULT_CHUNK_BYTES - extra_acc) // (2 * n) // 256 * 256 == cols
-    assert plan.extra_bytes(n, v, h, 2) == n * cols * 2 + extra_acc <= configs.DEFAULT_CHUNK_BYTES
+    assert extra_acc <= backward_passes.DEFAULT_CHUNK_BYTES // 2
+    assert plan.cols == (backward_passes.DEFAULT_CHUNK_BYTES - extra_acc) // (2 * n) // 256 * 256 == cols
+    assert plan.extra_bytes(n, v, h, 2) == n * cols * 2 + extra_acc <= backward_passes.DEFAULT_CHUNK_BYTES
     assert plan.cols >= h  # the spent da block holds the hosted rows' copy at the end
     if (n, h) != (8192, 2304):
         assert plan.cols == (256 << 20) // 2 // (2 * n) // 256 * 256  # as a whole accumulator in 256 MiB
@@ -78,11 +79,11 @@ def test_one_pass_with_the_accumulator_half_hosted_in_grad_hidden(n, h, v, cols)
 def test_each_path_has_its_default_budget():
     """The recompute path 192 MiB (the hosted accumulator), the chunked path 256 MiB chunks (a master
     weight's step is 6-7% slower in 192 MiB chunks); an explicit budget is both's."""
-    assert configs.chunk_budget(None) == configs.DEFAULT_CHUNK_BYTES == 192 << 20
-    assert configs.chunk_budget(None, chunked=True) == configs.DEFAULT_CHUNKED_BYTES == 256 << 20
-    assert configs.chunk_budget(5 << 20) == configs.chunk_budget(5 << 20, chunked=True) == 5 << 20
-    assert configs.chunk_rows(8192, 128256, torch.bfloat16, None, 128) == 1024  # 256 MiB of rows
-    assert configs.chunk_rows(8192, 128256, torch.bfloat16, 192 << 20, 128) == 768
+    assert planner.chunk_budget(None) == backward_passes.DEFAULT_CHUNK_BYTES == 192 << 20
+    assert planner.chunk_budget(None, chunked=True) == planner.DEFAULT_CHUNKED_BYTES == 256 << 20
+    assert planner.chunk_budget(5 << 20) == planner.chunk_budget(5 << 20, chunked=True) == 5 << 20
+    assert planner.chunk_rows(8192, 128256, torch.bfloat16, None, 128) == 1024  # 256 MiB of rows
+    assert planner.chunk_rows(8192, 128256, torch.bfloat16, 192 << 20, 128) == 768
 
 
 @pytest.mark.parametrize("n", [1, 2, 77, 8192])
@@ -104,13 +105,13 @@ def test_below_half_the_accumulator_it_borrows_grad_weight_memory(budget_mib):
     assert (plan.rows, plan.rows_grads, plan.weight_grad) == (n, True, True)
     assert plan.extra_bytes(n, v, h, 2) == n * plan.cols * 2 <= budget
     assert plan.cols == budget // (2 * n) // 256 * 256
-    assert configs.borrows_weight_grad(n, v, torch.bfloat16)
+    assert backward_passes.borrows_weight_grad(n, v, torch.bfloat16)
 
 
 def test_borrowing_needs_a_vocabulary_of_at_least_twice_the_tokens():
-    assert configs.borrows_weight_grad(100, 200, torch.float16)
-    assert not configs.borrows_weight_grad(100, 199, torch.bfloat16)
-    assert not configs.borrows_weight_grad(1, 10**6, torch.float32)  # fp32 gradients need no accumulator
+    assert backward_passes.borrows_weight_grad(100, 200, torch.float16)
+    assert not backward_passes.borrows_weight_grad(100, 199, torch.bfloat16)
+    assert not backward_passes.borrows_weight_grad(1, 10**6, torch.float32)  # fp32 gradients need no accumulator
     n, h, v = 65536, 4096, 128256  # S4: V < 2N, so two passes (below)
     assert not any(p.borrowed for p in _passes(n, h, v, None))
 
@@ -133,7 +134,7 @@ def test_one_gradient_family_needs_one_pass_without_accumulator():
 
 def test_fp32_passes_are_the_one_pass_plan():
     assert _passes(77, 96, 500, 16 * 500 * 4, dtype=torch.float32, block_n=BLOCK_N) == (
-        configs.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V),)
+        backward_passes.plan_backward(77, 500, 96, torch.float32, 16 * 500 * 4, BLOCK_N, BLOCK_V),)
 
 
 def test_the_rare_row_settings_take_the_plans_they_name():
@@ -155,15 +156,16 @@ def test_long_context_default_pairs_grad_hidden_in_one_pass_of_four_products():
     so one pass of vocabulary blocks sums grad_hidden as a bf16 + int8 pair: its N x H bytes (256 MiB)
     and the da blocks within DEFAULT_PAIRED_BYTES, and no logit is recomputed twice."""
     n, h, v = 65536, 4096, 128256
-    (plan,) = configs.plan_passes(n, v, h, torch.bfloat16, None, 128, 256, True, True, may_pair=True)
+    (plan,) = backward_passes.plan_passes(n, v, h, torch.bfloat16, None, 128, 256, True, True, may_pair=True)
     assert plan.paired and plan.dx_accumulator and not plan.dw_accumulator and not plan.borrowed
     assert (plan.rows, plan.rows_grads, plan.weight_grad) == (n, True, True)
-    assert plan.extra_bytes(n, v, h, 2) == n * plan.cols * 2 + n * h <= configs.DEFAULT_PAIRED_BYTES
-    assert plan.cols == (configs.DEFAULT_PAIRED_BYTES - n * h) // (2 * n) // 256 * 256 == 2048
+    assert plan.extra_bytes(n, v, h, 2) == n * plan.cols * 2 + n * h <= backward_passes.DEFAULT_PAIRED_BYTES
+    assert plan.cols == (backward_passes.DEFAULT_PAIRED_BYTES - n * h) // (2 * n) // 256 * 256 == 2048
     # An explicit budget holds the remainder too: 384 MiB leaves 128 MiB of blocks; 256 MiB none.
-    (at_384,) = configs.plan_passes(n, v, h, torch.bfloat16, 384 << 20, 128, 256, True, True, may_pair=True)
+    (at_384,) = backward_passes.plan_passes(n, v, h, torch.bfloat16, 384 << 20, 128, 256, True, True, may_pair=True)
     assert at_384.paired and at_384.extra_bytes(n, v, h, 2) <= 384 << 20
-    assert len(configs.plan_passes(n, v, h, torch.bfloat16, 256 << 20, 128, 256, True, True, may_pair=True)) == 2
+    at_256 = backward_passes.plan_passes(n, v, h, torch.bfloat16, 256 << 20, 128, 256, True, True, may_pair=True)
+    assert len(at_256) == 2
 
 
 @pytest.mark.parametrize("n", [65536, 98304, 131072, 262144])
@@ -171,9 +173,9 @@ def test_paired_default_stays_flat_and_falls_back_to_two_passes(n):
     """The remainder grows with N: past DEFAULT_PAIRED_BYTES the default takes two passes, so the
     extra memory never passes it at any N."""
     h, v = 4096, 128256
-    passes = configs.plan_passes(n, v, h, torch.bfloat16, None, 128, 256, True, True, may_pair=True)
-    assert max(p.extra_bytes(n, v, h, 2) for p in passes) <= configs.DEFAULT_PAIRED_BYTES
-    assert (len(passes) == 1 and passes[0].paired) == (n * h + 256 * n * 2 <= configs.DEFAULT_PAIRED_BYTES)
+    passes = backward_passes.plan_passes(n, v, h, torch.bfloat16, None, 128, 256, True, True, may_pair=True)
+    assert max(p.extra_bytes(n, v, h, 2) for p in passes) <= backward_passes.DEFAULT_PAIRED_BYTES
+    assert (len(passes) == 1 and passes[0].paired) == (n * h + 256 * n * 2 <= backward_passes.DEFAULT_PAIRED_BYTES)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -181,7 +183,8 @@ def test_only_bf16_pairs_and_only_when_allowed(dtype):
     """fp16 keeps its plans (its gradients are lifted out of the subnormals, a range the int8
     remainder was not built for); a bias gradient or a vocabulary shard (``may_pair=False``) too."""
     n, h, v = 65536, 4096, 128256
-    assert not any(p.paired for p in configs.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True))
+    passes = backward_passes.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True)
+    assert not any(p.paired for p in passes)
     assert not any(p.paired for p in _passes(n, h, v, None))
 
 
@@ -195,14 +198,15 @@ def test_an_fp32_master_weight_gradient_replaces_two_passes_with_token_blocks(dt
     n, h, v = 65536, 4096, 128256
     budget = 256 << 20
     for pair in (False, True):
-        plain = configs.plan_passes(n, v, h, dtype, budget, 128, 256, True, True, may_pair=pair)
+        plain = backward_passes.plan_passes(n, v, h, dtype, budget, 128, 256, True, True, may_pair=pair)
         assert len(plain) == 2
-        (master,) = configs.plan_passes(n, v, h, dtype, budget, 128, 256, True, True, may_pair=pair,
+        (master,) = backward_passes.plan_passes(n, v, h, dtype, budget, 128, 256, True, True, may_pair=pair,
                                         fp32_weight_grad=True)
         assert master.cols == v and master.rows_grads and master.weight_grad and master.rows < n
         assert not (master.dw_accumulator or master.dx_accumulator or master.paired or master.borrowed)
         assert master.extra_bytes(n, v, h, dtype.itemsize) <= budget
-    (default,) = configs.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True, fp32_weight_grad=True)
+    (default,) = backward_passes.plan_passes(n, v, h, dtype, None, 128, 256, True, True, may_pair=True,
+                                             fp32_weight_grad=True)
     assert default.paired == (dtype == torch.bfloat16)
 
 
@@ -291,10 +295,10 @@ def test_the_chunked_path_keeps_its_per_tile_statistics_in_grad_hiddens_rows(h, 
 
 
 def _lean(n, h, v, dtype=torch.bfloat16, needs=(True, True, False), master=False, sharded=False, **options):
-    from fused_linear_ce import chunked
     from fused_linear_ce.validate import Options
 
-    return chunked.long_context_budget(Options(**options), n, v, h, dtype, needs, master, sharded)
+    p = planner.plan_loss(Options(**options), n, v, h, dtype, needs, master=master, sharded=sharded)
+    return p.budget if p.mode == planner.LONG_CONTEXT else None
 
 
 def test_long_context_default_takes_the_chunked_path_with_a_4bit_weight_remainder():
@@ -302,14 +306,14 @@ def test_long_context_default_takes_the_chunked_path_with_a_4bit_weight_remainde
     grad_hidden (four products), "auto" takes the chunked path (three) with grad_weight summed as a
     bf16 + 4-bit pair (V x H / 2 bytes: 250.5 MiB) and 1024-row chunks in the rest of the same
     DEFAULT_PAIRED_BYTES; with a bias gradient too (the recompute default would take two passes)."""
-    from fused_linear_ce import chunked, plan
+    from fused_linear_ce import plan
     from fused_linear_ce.validate import Options
 
     n, h, v = 65536, 4096, 128256
     budget = _lean(n, h, v)
-    assert budget == configs.DEFAULT_PAIRED_BYTES - v * h // 2
+    assert budget == backward_passes.DEFAULT_PAIRED_BYTES - v * h // 2
     assert plan.chunk_rows(n, v, torch.bfloat16, budget, 128) == 1024
-    assert budget + v * h // 2 <= configs.DEFAULT_PAIRED_BYTES
+    assert budget + v * h // 2 <= backward_passes.DEFAULT_PAIRED_BYTES
     assert _lean(n, h, v, needs=(True, True, True)) == budget
     # An explicit chunk_bytes is the whole budget, remainder included: more memory, longer chunks (at
     # 1 GiB the recompute path would hold its exact fp32 accumulator, 26% slower on the H200).
@@ -317,8 +321,8 @@ def test_long_context_default_takes_the_chunked_path_with_a_4bit_weight_remainde
         got = _lean(n, h, v, chunk_bytes=total)
         assert got == total - v * h // 2 and plan.chunk_rows(n, v, torch.bfloat16, got, 128) == rows, total
     assert _lean(n, h, v, chunk_bytes=1 << 50) is None  # one chunk: no pair
-    assert chunked.use(Options(), n, v, h, torch.bfloat16, (True, True, False))
-    assert not chunked.use(Options(), n, v, h, torch.bfloat16, (True, True, False), sharded=True)
+    assert plan.plan_loss(Options(), n, v, h, torch.bfloat16, (True, True, False)).mode == plan.LONG_CONTEXT
+    assert plan.plan_loss(Options(), n, v, h, torch.bfloat16, (True, True, False), sharded=True).mode == plan.RECOMPUTE
 
 
 @pytest.mark.parametrize("why, n, h, v, kwargs", [
@@ -382,3 +386,48 @@ def test_the_long_context_chunked_path_sums_grad_weight_in_a_4bit_pair(monkeypat
     lows.clear()
     check_three_way(case)
     assert [lo[0] for lo in lows] == [torch.uint8] * 8
+
+
+def _planner_entries(call) -> list:
+    """The functions of plan.py that ``call`` enters from outside plan.py (a profiler hook)."""
+    import sys
+
+    path, entries = planner.__file__, []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == path and frame.f_back.f_code.co_filename != path:
+            entries.append(frame.f_code.co_name)
+
+    sys.setprofile(hook)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entries
+
+
+@pytest.mark.parametrize("call", ["auto", "recompute", "chunked", "per-token", "divergence"])
+def test_each_call_asks_the_planner_once(call):
+    """A forward and backward enter plan.py once, at the public call: the ops, their fake
+    implementations, their autograd and the executors read the plan they are given."""
+    from conftest import DEVICE
+    from fused_linear_ce import fused_linear_cross_entropy, fused_linear_divergence, fused_linear_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 32, generator=g).to(DEVICE).requires_grad_(True)
+    weight = (torch.randn(300, 32, generator=g) * 0.3).to(DEVICE).requires_grad_(True)
+    targets = torch.randint(0, 300, (40,), generator=g).to(DEVICE)
+
+    def run():
+        if call == "per-token":
+            out = fused_linear_logprobs(hidden, weight, targets, outputs=("log_probs", "entropy"))
+            loss = out["log_probs"].sum() + out["entropy"].sum()
+        elif call == "divergence":
+            loss = fused_linear_divergence(hidden, weight, hidden.detach() * 0.5, weight.detach(), beta=0.5)
+        else:
+            loss = fused_linear_cross_entropy(hidden, weight, targets, strategy=call)
+        loss.backward()
+
+    run()  # compiled first
+    want = {"per-token": "plan_tokens", "divergence": "plan_divergence"}.get(call, "plan_loss")
+    assert _planner_entries(run) == [want]

@@ -9,6 +9,8 @@ import torch
 from conftest import DEVICE, ON_GPU, KernelSpy
 from fused_linear_ce import configs, fused_linear_cross_entropy, gemm, products
 
+pytestmark = pytest.mark.tier  # the GPU tier: every test of this file
+
 FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
 

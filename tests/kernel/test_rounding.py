@@ -75,6 +75,7 @@ def _check(got_leaves, want_leaves, bound=1.25):
         assert err <= bound * once, f"{name}: {err:.2e} against {once:.2e} for one rounding"
 
 
+@pytest.mark.tier_if(lambda setting: setting.endswith("-no-tma"))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_the_mean_factor_is_not_rounded_into_every_row(setting):
     v, kwargs = SETTINGS[setting]
@@ -91,6 +92,7 @@ def test_the_mean_factor_is_not_rounded_into_every_row(setting):
     _check((h, w), (hd, wd))
 
 
+@pytest.mark.tier_if(lambda setting: setting.endswith("-no-tma"))
 @pytest.mark.parametrize("setting", list(B_SHARED))
 def test_a_target_coefficient_shared_by_every_row_is_not_rounded_into_every_row(setting):
     ours, theirs, *v = B_SHARED[setting]

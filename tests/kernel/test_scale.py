@@ -100,6 +100,7 @@ def _check_against_chunked_fp32(n, h, v, bias, chunk_rows, chunk_settings):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.tier
 def test_hidden_and_plane_past_int32_elements():
     """N*H = 2.18e9 and N*V = 4.36e9 elements. Default blocks: 8192-row token chunks (33, the last
     ragged) with a V x H fp32 accumulator; 9 GiB: the whole 8.1 GiB plane in one da block."""
@@ -124,6 +125,7 @@ for dtype in (torch.bfloat16, torch.float16):
     ]
 
 
+@pytest.mark.tier_if(lambda case: case.chunk_bytes == 1 << 20)
 @pytest.mark.parametrize("case", ODD, ids=lambda c: c.id)
 def test_odd_shapes_match_float64(case):
     check_three_way(case)
@@ -139,6 +141,7 @@ def _offset_by_one(t):
     return view
 
 
+@pytest.mark.tier_if(lambda dtype: dtype == torch.bfloat16)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_misaligned_pointers_give_the_aligned_result(dtype):
     case = Case(4099, 1030, 50257, dtype, "mean", ignored=0.2, bias=True)

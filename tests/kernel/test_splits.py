@@ -1,10 +1,10 @@
-"""The forward's vocabulary split (configs.vocab_splits on a GPU): the fewest splits whose programs
+"""The forward's vocabulary split (vocab_split.vocab_splits on a GPU): the fewest splits whose programs
 fill the waves; measured on the H200 in benchmarks/results/borrowed/experiment_splits.json."""
 
 import pytest
 import triton
 
-from fused_linear_ce import configs, plan
+from fused_linear_ce import configs, vocab_split
 
 SLOTS = 132  # H200 SMs x one resident program of the bf16 sweep tiles
 
@@ -22,18 +22,18 @@ def _efficiency(row_blocks, tiles, splits, slots=SLOTS):
     ("S4", 512, 501, 1),
 ])
 def test_real_shapes_take_the_fewest_splits_that_fill_the_waves(shape, row_blocks, tiles, want):
-    got = plan._fewest_full_splits(row_blocks, tiles, SLOTS)
+    got = vocab_split._fewest_full_splits(row_blocks, tiles, SLOTS)
     assert got == want
-    assert _efficiency(row_blocks, tiles, got) >= plan._WAVE_EFFICIENCY
-    assert all(_efficiency(row_blocks, tiles, s) < plan._WAVE_EFFICIENCY for s in range(1, got))
+    assert _efficiency(row_blocks, tiles, got) >= vocab_split._WAVE_EFFICIENCY
+    assert all(_efficiency(row_blocks, tiles, s) < vocab_split._WAVE_EFFICIENCY for s in range(1, got))
 
 
 @pytest.mark.parametrize("row_blocks,tiles", [(1, 10), (8, 40), (2, 3), (3, 1000), (1, 1)])
 def test_small_problems_take_the_fullest_waves(row_blocks, tiles):
-    got = plan._fewest_full_splits(row_blocks, tiles, SLOTS)
+    got = vocab_split._fewest_full_splits(row_blocks, tiles, SLOTS)
     assert 1 <= got <= tiles
     best = max(_efficiency(row_blocks, tiles, s) for s in range(1, tiles + 1))
-    if best >= plan._WAVE_EFFICIENCY:
-        assert _efficiency(row_blocks, tiles, got) >= plan._WAVE_EFFICIENCY
+    if best >= vocab_split._WAVE_EFFICIENCY:
+        assert _efficiency(row_blocks, tiles, got) >= vocab_split._WAVE_EFFICIENCY
     else:
         assert _efficiency(row_blocks, tiles, got) == pytest.approx(best)

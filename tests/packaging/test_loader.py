@@ -37,6 +37,8 @@ from kernels import Metadata, get_kernel, get_loaded_kernels, get_local_kernel
 from kernels_api import VERSION as KERNELS_VERSION
 from kernels_api import resolver
 
+pytestmark = pytest.mark.tier  # the GPU tier: every test of this file
+
 REPO = Path(__file__).resolve().parents[2]
 VARIANT = REPO / "build" / "torch-cuda"
 VARIANTS = {"cuda": VARIANT, "rocm": REPO / "build" / "torch-rocm"}

@@ -69,15 +69,20 @@ def variant_of(kernel) -> Path:
 
 
 def lock_json(commit: str) -> str:
-    """The README's hand-written kernels.lock, for `commit` (kernels writes no final newline)."""
-    return readme_blocks("json")[0].replace(PLACEHOLDER, commit).rstrip("\n")
+    """The hand-written kernels.lock the README points to (docs/publishing.md), for `commit` (kernels
+    writes no final newline)."""
+    return section_blocks("docs/publishing.md", "Pinning a release", "json")[0].replace(PLACEHOLDER, commit).rstrip("\n")
+
+
+def section_blocks(doc: str, heading: str, language: str) -> list[str]:
+    """The fenced `language` blocks of `doc`'s `## heading` section, in order."""
+    _, sections = make_card.split_sections((REPO / doc).read_text(encoding="utf-8"))
+    return re.findall(rf"^```{language}\n(.*?)^```$", dict(sections)[heading], flags=re.M | re.S)
 
 
 def readme_blocks(language: str) -> list[str]:
     """The fenced `language` blocks of the README's "Pin it" section, in order."""
-    _, sections = make_card.split_sections((REPO / "README.md").read_text(encoding="utf-8"))
-    text = dict(sections)["Pin it"]
-    return re.findall(rf"^```{language}\n(.*?)^```$", text, flags=re.M | re.S)
+    return section_blocks("README.md", "Pin it", language)
 
 
 @pytest.fixture
@@ -246,7 +251,7 @@ def project(tmp_path) -> Path:
 
 def test_kernels_lock_writes_the_commit_as_the_readme_shows(hub_cache, hub_api, project, monkeypatch):
     """`kernels lock` refuses a publisher that is not trusted (trl-lib today) with its own message, and
-    for a trusted one writes exactly the README's hand-written lock file."""
+    for a trusted one writes exactly the hand-written lock file docs/publishing.md shows."""
     commit, _ = release(hub_cache)
     hub_api(commit, trusted=False)
     with pytest.raises(ValueError, match=re.escape(f"Kernel repository '{REPO_ID}' is not from a trusted publisher")):

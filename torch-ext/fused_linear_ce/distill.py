@@ -6,8 +6,8 @@ import torch
 from .api import autocast_head
 from . import divergence_ops, ops
 from .divergence import Spec
-from .validate import (INT64, REDUCTIONS, STRATEGIES, Options, check_chunk_bytes, check_device, check_head,
-                       check_num_items, check_targets, is_int, is_master_weight, is_real)
+from .validate import (Options, check_device, check_divergence_options, check_head, check_targets,
+                       is_master_weight)
 
 OUTPUTS = ("entropy", "log_probs")
 
@@ -77,7 +77,7 @@ def fused_linear_divergence(
         strategy: "chunked" (the gradients formed in the forward, four products a chunk; the backward
             scales them; "mean" / "sum" only), "recompute" (the forward computes values with two
             products a chunk, the backward recomputes the logits: six in all), or "auto" (default):
-            "chunked" for "mean" / "sum", else "recompute". With "chunked", a gradient that
+            "chunked" for "mean" / "sum", else "recompute" (``plan.plan_divergence``). With "chunked", a gradient that
             reaches ``log_probs`` is added by a recompute of that term in the backward.
 
     Returns:
@@ -94,8 +94,8 @@ def fused_linear_divergence(
     master = (isinstance(hs, torch.Tensor) and torch.is_autocast_enabled(hs.device.type)
               and isinstance(ws, torch.Tensor) and is_master_weight(hs.dtype, ws.dtype))
     _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master)
-    _check_numbers(beta, temperature, student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap,
-                   ignore_index, reduction, num_items_in_batch, chunk_bytes, strategy)
+    check_divergence_options(beta, temperature, student_logit_scale, student_softcap, teacher_logit_scale,
+                             teacher_softcap, ignore_index, reduction, num_items_in_batch, chunk_bytes, strategy)
     lead = hs.shape[:-1]
     n = lead.numel()
     if n == 0:
@@ -114,16 +114,15 @@ def fused_linear_divergence(
         denominator = torch.ones((), device=where)
     else:
         denominator = counted.sum().to(torch.float32)
-    resolved = strategy if strategy != "auto" else ("recompute" if reduction == "none" else "chunked")
     spec = Spec(beta=float(beta),
                 student=Options(logit_scale=student_logit_scale, softcap=student_softcap, temperature=temperature),
                 teacher=Options(logit_scale=teacher_logit_scale, softcap=teacher_softcap, temperature=temperature),
-                reduction=reduction, strategy=resolved, chunk_bytes=chunk_bytes)
+                reduction=reduction)
     rows_s = hs.reshape(n, hs.shape[-1])
     rows_t = ht.reshape(n, ht.shape[-1]).detach()
     div, entropy, log_probs = divergence_ops.apply(
         rows_s, ws, bs, rows_t, wt.detach(), bt.detach() if bt is not None else None, flat_targets,
-        counted.to(torch.int8), denominator, spec)
+        counted.to(torch.int8), denominator, spec, strategy, chunk_bytes)
     if reduction == "none":
         div = div.reshape(lead)
     if not fields:
@@ -171,30 +170,3 @@ def _check_tensors(hs, ws, bs, ht, wt, bt, targets, mask, master=False) -> None:
                              f"{tuple(hs.shape[:-1])}")
     check_device((("student_hidden", hs), ("student_weight", ws), ("student_bias", bs), ("teacher_hidden", ht),
                   ("teacher_weight", wt), ("teacher_bias", bt), ("targets", targets), ("mask", mask)))
-
-
-def _check_numbers(beta, temperature, s_scale, s_cap, t_scale, t_cap, ignore_index, reduction, num_items,
-                   chunk_bytes, strategy) -> None:
-    if not (is_real(beta) and 0.0 <= beta <= 1.0):
-        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
-    if not (is_real(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    for name, scale in (("student_logit_scale", s_scale), ("teacher_logit_scale", t_scale)):
-        if not is_real(scale):
-            raise ValueError(f"{name} must be a finite real number, got {scale!r}")
-    for name, cap in (("student_softcap", s_cap), ("teacher_softcap", t_cap)):
-        if cap is not None and not (is_real(cap) and cap > 0):
-            raise ValueError(f"{name} must be None or a finite number > 0, got {cap!r}")
-    if not is_int(ignore_index):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not INT64.min <= ignore_index <= INT64.max:
-        raise ValueError(f"ignore_index must fit in int64, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    check_num_items(num_items, reduction, "divergence")
-    check_chunk_bytes(chunk_bytes)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "chunked" and reduction == "none":
-        raise ValueError('strategy="chunked" forms the gradients in the forward and needs one upstream scalar: '
-                         'not with reduction="none"; use strategy="recompute" or "auto"')

@@ -4,6 +4,7 @@ import torch
 
 from . import tokens, topk as _topk
 from .api import autocast_head, shift_targets
+from .plan import exponentials_unsupported
 from .validate import Options, check_flag, check_inputs, check_process_group
 
 
@@ -57,7 +58,7 @@ def fused_linear_logprobs(
             backward; it must fit in ``chunk_bytes`` (256 MiB by default) and cannot take a softcap with the entropy
             (ValueError). The first backward spends that buffer: a later one through the same graph
             (``retain_graph=True``) recomputes as "recompute" does. "auto" (default): "chunked" where it is
-            possible, else "recompute". Without gradients (``torch.no_grad``, a reference model)
+            possible (``plan.plan_tokens``), else "recompute". Without gradients (``torch.no_grad``, a reference model)
             both run the forward sweep alone.
         topk: k targets per row (the top-k ids a teacher served elsewhere sends): ``targets`` is
             (..., k), hidden's leading shape plus a trailing k >= 1, and ``log_probs`` is (..., k),
@@ -100,7 +101,7 @@ def fused_linear_logprobs(
         check_process_group(process_group)
     lead = targets.shape
     n, v = targets.numel(), weight.shape[0]
-    if strategy == "chunked" and (why := tokens.chunked_unsupported(opts, n, v, hidden.dtype)) is not None:
+    if strategy == "chunked" and (why := exponentials_unsupported(opts, n, v, hidden.dtype)) is not None:
         raise ValueError(f'strategy="chunked" keeps the exponentials from the forward to the backward and cannot '
                          f'take {why}; use strategy="recompute" or "auto"')
     targets = targets.to(torch.int64)

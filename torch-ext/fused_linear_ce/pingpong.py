@@ -39,7 +39,7 @@ import os
 import torch
 import triton
 
-from . import configs, device, plan
+from . import configs, device, vocab_split
 
 # Gluon is experimental: its API has changed between Triton releases (``warp_specialize``'s
 # arguments, the aggregates), so the kernel is used only with the releases it was tested on; with
@@ -97,7 +97,7 @@ def launch(hidden, weight, targets, tile_scale, metrics: bool, offset: int, igno
     """Runs the ping-pong sweep; returns (stats (3 or 5, 2 S, N) fp32, argmax (2 S, N) int32 or
     ``stats``, 2 S): the per-split planes of ``sweep_kernels.combine_kernel`` (row max, sum of exp(z - max),
     target logit; with ``metrics`` also the sum of exp(z - max) (z - max), the largest logit and its
-    class), S the vocabulary splits (``plan.tile_ranges``, one program per SM)."""
+    class), S the vocabulary splits (``vocab_split.tile_ranges``, one program per SM)."""
     n, h = hidden.shape
     v = weight.shape[0]
     cfg = configs.pingpong(h)
@@ -107,7 +107,7 @@ def launch(hidden, weight, targets, tile_scale, metrics: bool, offset: int, igno
     w_desc = GluonDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k],
                                          gl.NVMMASharedLayout.get_default_for([cfg.block_v, cfg.block_k], gdt))
     n_blocks, n_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(v, cfg.block_v)
-    splits, per = plan.tile_ranges(n_blocks, n_tiles, hidden.device)
+    splits, per = vocab_split.tile_ranges(n_blocks, n_tiles, hidden.device)
     stats = device.new((5 if metrics else 3, 2 * splits, n), torch.float32, hidden.device)
     argmax = device.new((2 * splits, n), torch.int32, hidden.device) if metrics else stats
     pingpong_sweep_kernel[(n_blocks * splits,)](

@@ -11,20 +11,21 @@ softmax and S = sum_v p_v z_v:
     mean_logits = sum_v z_v / V             is_top1 = the target is the first argmax
 
 so upstream gradients g (log-probs) and E (entropy) give ``da = (A - E (z - S)) p - B onehot``
-with A = B = -g: the recompute path's dlogits kernel and the chunked path's in-place kernel with
-their ENTROPY_GRAD term, coefficients (5, N) [A, B, C = 0, E, S]. Ignored rows (target ==
-ignore_index) get 0 in every field (False for is_top1) and no gradient.
+with A = B = -g: the recompute path's dlogits kernel and the chunked path's in-place kernel (which
+EXPONENTIALS runs too) with their ENTROPY_GRAD term, coefficients (5, N) [A, B, C = 0, E, S].
+Ignored rows (target == ignore_index) get 0 in every field (False for is_top1) and no gradient.
 
-The two ways through the backward (``keeps_exponentials``):
+The two ways through the backward (``plan.plan_tokens``):
 - recompute: the forward keeps the per-row lse only, the backward recomputes the logits block by
   block (``recompute.backward``, memory set by ``chunk_bytes``); four products in all.
-- chunked: the per-row upstream gradients are unknown until the backward, so the forward cannot
-  form the gradients as the loss's chunked path does (dW needs them); instead it keeps the sweep's
-  exponentials ``exp(z - m_tile)`` of all N rows, (N, V) in the input dtype, and the backward turns
-  them into da in place and runs the two products: three in all, for an (N, V) buffer held from the
-  forward to the backward (it must fit in ``chunk_bytes``). The first backward spends the buffer; a
-  later one through the same graph (``retain_graph=True``) takes the recompute path's backward from
-  the inputs and the per-row statistics, which the forward keeps either way (``_backward``).
+- EXPONENTIALS (strategy="chunked"): the per-row upstream gradients are unknown until the backward,
+  so the forward cannot form the gradients as the loss's chunked path does (dW needs them); instead
+  it keeps the sweep's exponentials ``exp(z - m_tile)`` of all N rows, (N, V) in the input dtype,
+  and the backward turns them into da in place and runs the two products: three in all, for an
+  (N, V) buffer held from the forward to the backward (it must fit in ``chunk_bytes``). The first
+  backward spends the buffer; a later one through the same graph (``retain_graph=True``) takes the
+  recompute path's backward from the inputs and the per-row statistics, which the forward keeps
+  either way (``_backward``).
 """
 
 import math
@@ -32,19 +33,20 @@ from typing import Optional
 
 import torch
 
-from . import chunked, configs, device, losses, ops, parallel, plan, products, recompute, sweep
+from . import chunked, configs, device, losses, opargs, ops, parallel, products, recompute, sweep
+from .plan import EXPONENTIALS, RECOMPUTE, plan_tokens
 from .validate import Options
 
-NAMESPACE = __name__.split(".")[0].lstrip("_") or "fused_linear_ce"
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 DIFFERENTIABLE = ("log_probs", "entropy")
 
 
-def scalars(opts: Options) -> torch.Tensor:
-    """The float options as one CPU float64 tensor (3,): logit_scale, softcap (NaN for none),
-    temperature (see ``ops.scalars``: a tensor argument keeps ``torch.compile`` from specialising)."""
-    cap = opts.softcap if opts.softcap is not None else math.nan
-    return ops.float_tensor((opts.logit_scale, cap, opts.temperature))
+# The float options, in the order of the ops' ``scalars`` tensor (``opargs.Floats``).
+FLOATS = opargs.Floats("logit_scale", "softcap", "temperature")
+# The forward op's other arguments after ``scalars``, in order (``apply`` packs them, the autograd
+# context unpacks them).
+ARGS = opargs.Args("ignore_index", "outputs", "chunk_bytes", "group_id", "mode", "plan", "need_dx", "need_dw",
+                   "need_db")
 
 
 def _names(wanted) -> tuple:
@@ -53,34 +55,10 @@ def _names(wanted) -> tuple:
     return tuple(name for name, w in zip(FIELDS, wanted) if w)
 
 
-def _options(scalars_: Optional[torch.Tensor], ignore_index, has_softcap, outputs, chunk_bytes, strategy) -> Options:
-    """The Options inside an op (``outputs``: field names); ``scalars_`` None (a fake implementation):
-    placeholders."""
-    logit_scale, softcap, temperature = (1.0, 1.0, 1.0) if scalars_ is None else scalars_.tolist()
-    return Options(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap if has_softcap else None,
-                   reduction="none", chunk_bytes=chunk_bytes, strategy=strategy, temperature=temperature,
+def _options(scalars_: torch.Tensor, ignore_index, outputs, chunk_bytes) -> Options:
+    """The Options inside an op (``outputs``: field names), its float ones read from ``scalars_``."""
+    return Options(**FLOATS.read(scalars_), ignore_index=ignore_index, reduction="none", chunk_bytes=chunk_bytes,
                    outputs=tuple(outputs))
-
-
-def chunked_unsupported(opts: Options, n: int, v: int, dtype: torch.dtype) -> str | None:
-    """Why the chunked path cannot take this call, or None."""
-    if opts.softcap is not None and "entropy" in opts.outputs:
-        return ("a softcap together with the entropy (the buffer's exponentials carry the softcap's "
-                "derivative, and the entropy's gradient needs z back from them)")
-    need = n * v * dtype.itemsize
-    budget = plan.chunk_budget(opts.chunk_bytes, chunked=True)
-    if need > budget:
-        return (f"N x V = {n} x {v} exponentials ({need} bytes in {dtype}) held from the forward to the backward "
-                f"beyond chunk_bytes={budget}")
-    return None
-
-
-def keeps_exponentials(opts: Options, n: int, v: int, dtype: torch.dtype, needs) -> bool:
-    """Whether the chunked path runs: a gradient is wanted, and strategy="chunked" (validated
-    beforehand) or "auto" where it is possible (``chunked_unsupported``)."""
-    if not any(needs) or opts.strategy == "recompute" or n == 0:
-        return False
-    return opts.strategy == "chunked" or chunked_unsupported(opts, n, v, dtype) is None
 
 
 def _fields(stats: sweep.RowStats, targets, opts: Options, v_total: int) -> dict:
@@ -99,32 +77,32 @@ def _fields(stats: sweep.RowStats, targets, opts: Options, v_total: int) -> dict
     return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_forward", mutates_args=())
+@torch.library.custom_op(f"{opargs.NAMESPACE}::token_forward", mutates_args=())
 def token_forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    scalars: torch.Tensor, ignore_index: int, has_softcap: bool, outputs: list[bool], chunk_bytes: Optional[int],
-    strategy: str, group_id: int, need_dx: bool, need_dw: bool, need_db: bool,
+    scalars: torch.Tensor, ignore_index: int, outputs: list[bool], chunk_bytes: Optional[int], group_id: int,
+    mode: str, plan: list[int], need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, row, exps, tile_max): the fields
     (N,), each empty (0,) unless requested (log_probs always); ``row`` (3, N) fp32 the row max,
-    log-sum and target logit; with the chunked path (``keeps_exponentials``) ``exps`` the (N, V)
+    log-sum and target logit; in the plan's EXPONENTIALS mode (``plan.plan_tokens``) ``exps`` the (N, V)
     exponentials and ``tile_max`` (T, N) their tiles' row maxima, else empty. ``outputs``: one bool
     per FIELDS entry. An fp32 ``weight`` with 16-bit ``hidden`` is a master weight
     (``validate.is_master_weight``): cast here for the sweep, and again in the backward, whose
     weight gradient is fp32."""
-    opts = _options(scalars, ignore_index, has_softcap, _names(outputs), chunk_bytes, strategy)
+    opts = _options(scalars, ignore_index, _names(outputs), chunk_bytes)
     n, v = hidden.shape[0], weight.shape[0]
     shard = parallel.shard_for(group_id, v)
     sizes = parallel.start_size_check(shard, hidden.device) if shard is not None else None
     empty = hidden.new_empty((0,), dtype=torch.float32)
     exps, tile_max = hidden.new_empty((0,)), empty
     low = ops.low_weight(weight, hidden)
-    if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
+    if mode == EXPONENTIALS:
         exps = device.new((n, v), hidden.dtype, hidden.device)
         cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1], where=hidden.device)
         stats, tile_stats = sweep.sweep(hidden, low, targets, bias, None, opts, shard, exps, cfg)
-        tile_max = tile_stats[0].clone()  # plane 0 of the per-tile statistics: each tile's row max
+        tile_max = tile_stats[sweep.MAX_PLANE].clone()  # each tile's row max
     else:
         stats = sweep.forward(hidden, low, targets, bias, None, opts, shard)
     del low
@@ -137,24 +115,23 @@ def token_forward(
 
 
 @token_forward.register_fake
-def _(hidden, weight, bias, targets, scalars_, ignore_index, has_softcap, outputs, chunk_bytes, strategy, group_id,
-      need_dx, need_dw, need_db):
+def _(hidden, weight, bias, targets, scalars_, ignore_index, outputs, chunk_bytes, group_id, mode, plan_, need_dx,
+      need_dw, need_db):
     n, v = hidden.shape[0], weight.shape[0]
     names = _names(outputs)
-    opts = _options(None, ignore_index, has_softcap, names, chunk_bytes, strategy)
     out = [hidden.new_empty((n,) if name == "log_probs" or name in names else (0,), dtype=torch.float32)
            for name in FIELDS[:-1]]  # distinct tensors: aliased fake outputs would be merged by the compiler
     empty = hidden.new_empty((0,), dtype=torch.float32)
     top1 = hidden.new_empty((n,) if "is_top1" in names else (0,), dtype=torch.bool)
     exps, tile_max = hidden.new_empty((0,)), empty
-    if keeps_exponentials(opts, n, v, hidden.dtype, (need_dx, need_dw, need_db)):
+    if mode == EXPONENTIALS:
         cfg = configs.tiles("chunked", hidden.dtype, hidden.shape[1], where=hidden.device)
         exps = hidden.new_empty((n, v))
         tile_max = hidden.new_empty((-(-v // cfg.block_v), n), dtype=torch.float32)
     return (*out, top1, hidden.new_empty((3, n), dtype=torch.float32), exps, tile_max)
 
 
-def coefficients(grad_lp, grad_ent, row, entropy, targets, opts: Options, v_total: int):
+def token_coefficients(grad_lp, grad_ent, row, entropy, targets, opts: Options, v_total: int):
     """(coef, common): the per-row coefficients of da, (3, N) [A, B, C = 0], or (5, N) with [E, S]
     when the entropy has a gradient (module docstring), divided by the largest finite |B| (the
     upstream of a mean is one value on every row: da keeps its target entries exact, and the factor
@@ -175,63 +152,57 @@ def coefficients(grad_lp, grad_ent, row, entropy, targets, opts: Options, v_tota
     return torch.cat([scaled, coef[4:]]), s
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_backward", mutates_args=())
+@torch.library.custom_op(f"{opargs.NAMESPACE}::token_backward", mutates_args=())
 def token_backward(
     grad_lp: Optional[torch.Tensor], grad_ent: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, row: torch.Tensor, entropy: Optional[torch.Tensor],
-    scalars: torch.Tensor, ignore_index: int, has_softcap: bool, chunk_bytes: Optional[int], group_id: int,
+    scalars: torch.Tensor, ignore_index: int, chunk_bytes: Optional[int], group_id: int, plan: list[int],
     need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recompute backward: (grad_hidden, grad_weight, grad_bias), each empty (0,) when not needed;
-    grad_weight in weight's dtype (fp32 for a master weight, summed in fp32)."""
-    opts = _options(scalars, ignore_index, has_softcap, (), chunk_bytes, "recompute")
+    """The recompute backward in the passes of the call's ``plan`` (``opargs``): (grad_hidden,
+    grad_weight, grad_bias), each empty (0,) when not needed; grad_weight in weight's dtype (fp32 for
+    a master weight, summed in fp32)."""
+    opts = _options(scalars, ignore_index, (), chunk_bytes)
     v = weight.shape[0]
     shard = parallel.shard_for(group_id, v)
     v_total = shard.v_total if shard is not None else v
-    coef, common = coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
-    grads = recompute.backward(hidden, ops.low_weight(weight, hidden), targets, bias, None, row[:2], coef, opts, need_dx,
-                               need_dw, need_db, shard, common, dw_dtype=weight.dtype)
+    coef, common = token_coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
+    grads = recompute.backward(hidden, ops.low_weight(weight, hidden), targets, bias, None, row[:2], coef, opts,
+                               opargs.decode(RECOMPUTE, plan), need_dx, need_dw, need_db, shard, common,
+                               dw_dtype=weight.dtype)
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
 
 
 @token_backward.register_fake
-def _(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_, ignore_index, has_softcap,
-      chunk_bytes, group_id, need_dx, need_dw, need_db):
-    return _fake_grads(hidden, weight, bias, need_dx, need_dw, need_db)
+def _(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_, ignore_index, chunk_bytes, group_id,
+      plan_, need_dx, need_dw, need_db):
+    return opargs.fake_gradients(hidden, weight, bias, need_dx, need_dw, need_db)
 
 
-def _fake_grads(hidden, weight, bias, need_dx, need_dw, need_db):
-    empty = hidden.new_empty((0,))
-    return (hidden.new_empty(hidden.shape) if need_dx else empty,
-            weight.new_empty(weight.shape) if need_dw else empty,
-            weight.new_empty((weight.shape[0],), dtype=bias.dtype if bias is not None else weight.dtype)
-            if need_db else empty)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::token_backward_chunked", mutates_args=("exps",))
-def token_backward_chunked(
+@torch.library.custom_op(f"{opargs.NAMESPACE}::token_backward_exponentials", mutates_args=("exps",))
+def token_backward_exponentials(
     grad_lp: Optional[torch.Tensor], grad_ent: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     bias: Optional[torch.Tensor], targets: torch.Tensor, row: torch.Tensor, entropy: Optional[torch.Tensor],
-    exps: torch.Tensor, tile_max: torch.Tensor, scalars: torch.Tensor, ignore_index: int, has_softcap: bool,
-    group_id: int, need_dx: bool, need_dw: bool, need_db: bool,
+    exps: torch.Tensor, tile_max: torch.Tensor, scalars: torch.Tensor, ignore_index: int, group_id: int,
+    need_dx: bool, need_dw: bool, need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunked backward: the forward's exponentials become da in place (``chunked.gradient_in_place``),
-    then grad_hidden = da @ weight and grad_weight = da^T @ hidden, each one product with fp32
-    accumulation and one rounding (``products.product``; none for a master weight's fp32
-    grad_weight); grad_bias from the kernel's column sums."""
-    opts = _options(scalars, ignore_index, has_softcap, (), None, "chunked")
+    """The EXPONENTIALS backward: the forward's exponentials become da in place
+    (``chunked.gradient_in_place``), then grad_hidden = da @ weight and grad_weight = da^T @ hidden,
+    each one product with fp32 accumulation and one rounding (``products.product``; none for a master
+    weight's fp32 grad_weight); grad_bias from the kernel's column sums."""
+    opts = _options(scalars, ignore_index, (), None)
     n, h = hidden.shape
     v = weight.shape[0]
     dtype, where = hidden.dtype, hidden.device
     shard = parallel.shard_for(group_id, v)
     v_total = shard.v_total if shard is not None else v
-    coef, common = coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
+    coef, common = token_coefficients(grad_lp, grad_ent, row, entropy, targets, opts, v_total)
     unscale = common.reshape(1)
     if dtype == torch.float16:
         coef, unscale = losses.lift_fp16(coef, unscale, None, opts.kernel_scales().grad_scale, v_total)
     cfg = configs.tiles("chunked", dtype, h, where=where)
     stats = sweep.RowStats(row[:2], row[2], None, None, None, None)
-    block_n = chunked.gradient_rows(cfg, coef.shape[0] > 3)  # the rows of its bias partial sums
+    block_n = chunked.gradient_rows(cfg, losses.entropy_term(coef))  # the rows of its bias partial sums
     dbias = device.new((-(-n // block_n), v), torch.float32, where) if need_db else None
     da = chunked.gradient_in_place(exps, tile_max, stats, coef, targets, None, dbias, opts, shard, cfg)
     grad_hidden, grad_weight, grad_bias = (hidden.new_empty((0,)) for _ in range(3))  # distinct outputs
@@ -251,23 +222,18 @@ def token_backward_chunked(
     return grad_hidden, grad_weight, grad_bias
 
 
-@token_backward_chunked.register_fake
+@token_backward_exponentials.register_fake
 def _(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_, ignore_index,
-      has_softcap, group_id, need_dx, need_dw, need_db):
-    return _fake_grads(hidden, weight, bias, need_dx, need_dw, need_db)
-
-
-_OPTION_NAMES = ("ignore_index", "has_softcap", "outputs", "chunk_bytes", "strategy", "group_id")
+      group_id, need_dx, need_dw, need_db):
+    return opargs.fake_gradients(hidden, weight, bias, need_dx, need_dw, need_db)
 
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, scalars_, *rest = inputs
-    o = dict(zip(_OPTION_NAMES, rest[: len(_OPTION_NAMES)]))
+    o = ARGS.unpack(rest)
     o["outputs"] = _names(o["outputs"])
-    computed = tuple(rest[len(_OPTION_NAMES):])
-    opts = _options(None, o["ignore_index"], o["has_softcap"], o["outputs"], o["chunk_bytes"], o["strategy"])
     ctx.options = o
-    ctx.chunked = keeps_exponentials(opts, hidden.shape[0], weight.shape[0], hidden.dtype, computed)
+    ctx.exponentials = o["mode"] == EXPONENTIALS
     ctx.needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     # Unused outputs get no gradient (None), not a materialised zero: the entropy's backward work
     # runs only when the entropy reaches the loss.
@@ -275,30 +241,30 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[2:])
     entropy = output[1] if "entropy" in o["outputs"] else None
     ctx.save_for_backward(hidden, weight, bias, targets, output[5], entropy, output[6], output[7], scalars_)
-    ctx.spent = False  # the chunked path's exponentials, once a backward has turned them into da
+    ctx.spent = False  # EXPONENTIALS' buffer, once a backward has turned it into da
 
 
 def _backward(ctx, grad_lp, grad_ent, *_rest):
     if "entropy" not in ctx.options["outputs"]:  # the empty placeholder output: a compiled backward may
         grad_ent = None                          # pass it a materialised (0,) gradient
-    nothing = (None,) * (5 + len(_OPTION_NAMES) + 3)
+    nothing = (None,) * 5 + ARGS.no_gradients  # hidden, weight, bias, targets, scalars; the options
     if grad_lp is None and grad_ent is None:
         return nothing
     hidden, weight, bias, targets, row, entropy, exps, tile_max, scalars_ = ctx.saved_tensors
     o = ctx.options
-    if ctx.chunked and not ctx.spent:
+    if ctx.exponentials and not ctx.spent:
         # The first backward turns the saved exponentials into da in place (the op declares the
         # mutation). It writes through ``.data``, which autograd does not version: a later backward
         # through the same graph (retain_graph=True) can still unpack the inputs and statistics saved
         # beside them, and ``spent`` sends it to the recompute backward below, which reads only those
         # (the same gradients, rounded as that path rounds them), at no cost to a single backward.
         ctx.spent = True
-        dx, dw, db = token_backward_chunked(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy,
-                                            exps.data, tile_max, scalars_, o["ignore_index"], o["has_softcap"],
-                                            o["group_id"], *ctx.needs)
+        dx, dw, db = token_backward_exponentials(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy,
+                                                 exps.data, tile_max, scalars_, o["ignore_index"], o["group_id"],
+                                                 *ctx.needs)
     else:
         dx, dw, db = token_backward(grad_lp, grad_ent, hidden, weight, bias, targets, row, entropy, scalars_,
-                                    o["ignore_index"], o["has_softcap"], o["chunk_bytes"], o["group_id"], *ctx.needs)
+                                    o["ignore_index"], o["chunk_bytes"], o["group_id"], o["plan"], *ctx.needs)
     need_dx, need_dw, need_db = ctx.needs
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + nothing[3:]
 
@@ -307,11 +273,16 @@ token_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def apply(hidden, weight, targets, bias, opts: Options, group=None) -> dict:
-    """Calls the forward op; returns {field: (N,) tensor} for ``opts.outputs`` (log_probs always
-    computed). Which gradients will be wanted is read here, for the chunked path."""
+    """Asks the planner once (``plan.plan_tokens``) and calls the forward op; returns {field: (N,)
+    tensor} for ``opts.outputs`` (log_probs always computed). Which gradients will be wanted is read
+    here."""
     group_id = parallel.register(group) if group is not None else 0
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    out = token_forward(hidden, weight, bias, targets, scalars(opts), opts.ignore_index, opts.softcap is not None,
-                        [name in opts.outputs for name in FIELDS], opts.chunk_bytes, opts.strategy, group_id, *needs)
+    p = plan_tokens(opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, needs,
+                    master=weight.dtype != hidden.dtype, sharded=group is not None, where=hidden.device)
+    args = ARGS.pack(ignore_index=opts.ignore_index, outputs=[name in opts.outputs for name in FIELDS],
+                     chunk_bytes=opts.chunk_bytes, group_id=group_id, mode=p.mode, plan=opargs.encode(p),
+                     need_dx=needs[0], need_dw=needs[1], need_db=needs[2])
+    out = token_forward(hidden, weight, bias, targets, FLOATS.tensor(opts), *args)
     return {name: out[i] for i, name in enumerate(FIELDS) if name in opts.outputs}

@@ -226,8 +226,7 @@ def check_inputs(hidden, weight, targets, bias, opts: Options, class_weight=None
             raise ValueError("class_weight receives no gradient: pass class_weight.detach()")
     check_device((("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias),
                   ("class_weight", class_weight)))
-    check_options(opts)
-    check_num_items(num_items_in_batch, opts.reduction)
+    check_options(opts, num_items_in_batch)
 
 
 def check_num_items(num_items, reduction: str, summed: str = "loss") -> None:
@@ -244,13 +243,25 @@ def check_num_items(num_items, reduction: str, summed: str = "loss") -> None:
         raise TypeError(f"num_items_in_batch must be an int or a 0-d tensor, got {num_items!r}")
 
 
-def check_options(opts: Options) -> None:
-    if opts.reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {opts.reduction!r}")
-    if not is_int(opts.ignore_index):
-        raise TypeError(f"ignore_index must be an int, got {opts.ignore_index!r}")
-    if not INT64.min <= opts.ignore_index <= INT64.max:
-        raise ValueError(f"ignore_index must fit in int64, got {opts.ignore_index!r}")
+def check_shared(reduction, ignore_index, strategy, chunk_bytes, num_items=None, summed: str = "loss") -> None:
+    """The rules the loss, the per-token function and the divergence share: the reduction, an int64
+    ``ignore_index``, the strategy, the memory knob and ``num_items_in_batch`` (which divides a
+    summed ``summed``)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not INT64.min <= ignore_index <= INT64.max:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index!r}")
+    check_chunk_bytes(chunk_bytes)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_num_items(num_items, reduction, summed)
+
+
+def check_options(opts: Options, num_items=None) -> None:
+    """The loss's and the per-token function's options (``check_shared``, then their own)."""
+    check_shared(opts.reduction, opts.ignore_index, opts.strategy, opts.chunk_bytes, num_items)
     check_flag("return_metrics", opts.return_metrics)
     check_flag("return_lse", opts.return_lse)
     if not is_real(opts.logit_scale):
@@ -263,10 +274,27 @@ def check_options(opts: Options) -> None:
         raise ValueError(f"softcap must be None or a finite number > 0, got {opts.softcap!r}")
     if not (is_real(opts.temperature) and opts.temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {opts.temperature!r}")
-    check_chunk_bytes(opts.chunk_bytes)
-    if opts.strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {opts.strategy!r}")
-    # The per-token outputs (``outputs``) have their own chunked path and rules (tokens.chunked_unsupported).
+    # The per-token outputs (``outputs``) keep exponentials instead, with their own rules
+    # (``plan.exponentials_unsupported``).
     if opts.strategy == "chunked" and not opts.outputs and (why := chunked_unsupported(opts)) is not None:
         raise ValueError(f'strategy="chunked" computes the gradients in the forward and cannot take {why}; '
                          'use strategy="recompute" or "auto"')
+
+
+def check_divergence_options(beta, temperature, s_scale, s_cap, t_scale, t_cap, ignore_index, reduction, num_items,
+                             chunk_bytes, strategy) -> None:
+    """``fused_linear_divergence``'s options: its own numbers, then the shared rules (``check_shared``)."""
+    if not (is_real(beta) and 0.0 <= beta <= 1.0):
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    if not (is_real(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    for name, scale in (("student_logit_scale", s_scale), ("teacher_logit_scale", t_scale)):
+        if not is_real(scale):
+            raise ValueError(f"{name} must be a finite real number, got {scale!r}")
+    for name, cap in (("student_softcap", s_cap), ("teacher_softcap", t_cap)):
+        if cap is not None and not (is_real(cap) and cap > 0):
+            raise ValueError(f"{name} must be None or a finite number > 0, got {cap!r}")
+    check_shared(reduction, ignore_index, strategy, chunk_bytes, num_items, "divergence")
+    if strategy == "chunked" and reduction == "none":
+        raise ValueError('strategy="chunked" forms the gradients in the forward and needs one upstream scalar: '
+                         'not with reduction="none"; use strategy="recompute" or "auto"')
