@@ -94,9 +94,10 @@ def test_each_amd_gpu_gets_its_family_and_no_cuda_feature(monkeypatch, name):
     assert not pingpong.eligible(on_gpu, on_gpu, plain=True)
     want = "tf32" if fam == "cdna3" else "ieee"
     assert device.input_precision(torch.bfloat16, device=CUDA) == want
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    # a stand-in for cuBLAS's switches (pytest >= 9.0.3 undoes a setattr on torch's own with delattr, which it refuses)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", types.SimpleNamespace(allow_tf32=True))
     assert device.input_precision(torch.float32, device=CUDA) == want
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # torch's default: TF32 off
+    monkeypatch.setattr(torch.backends.cuda, "matmul", types.SimpleNamespace(allow_tf32=False))  # torch's default
     assert device.input_precision(torch.float32, device=CUDA) == "ieee"
     device.check_dtype(torch.bfloat16, CUDA)
     assert configs.divergence_row_config(cus, 128256, CUDA) == (1, 4096, 16)
