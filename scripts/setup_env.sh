@@ -30,3 +30,10 @@ if ! "$PYTHON" -c "import deepspeed" >/dev/null 2>&1; then
     DS_BUILD_OPS=0 "$PYTHON" -m pip install -q --no-build-isolation -c requirements-test.txt "deepspeed==0.19.8"
 fi
 "$PYTHON" -m pip install -q -r requirements-test.txt
+# What the tests will run with (docs/testing.md lists the versions tested).
+"$PYTHON" -c "
+import torch, triton
+v = torch.version
+build = f'CUDA {v.cuda}' if v.cuda else f'ROCm {v.hip}' if v.hip else 'CPU'
+gpu = torch.cuda.is_available()
+print(f'setup_env: torch {torch.__version__} ({build} build, GPU: {gpu}), triton {triton.__version__}')"

@@ -3,22 +3,16 @@
 # torch-cuda and torch-rocm, on simulated CUDA and ROCm machines, describe-api and
 # the architecture check, `kernels benchmark`, the Nix drift check) under the newest kernels release as
 # well: the main run (scripts/test.sh) uses the declared minimum, `kernels==` in requirements-test.txt
-# and `kernels-minver` in metadata.json. A virtual environment with --system-site-packages takes torch,
+# and `kernels-minver` in metadata.json. A virtual environment (scripts/side_venv.sh) takes torch,
 # Triton and pytest from the main environment and adds only kernels[benchmark]==$KERNELS_NEWEST.
 # Extra arguments pass to pytest. scripts/test.sh runs this after a full run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-PYTHON=${PYTHON:-python3}
 KERNELS_NEWEST=${KERNELS_NEWEST:-0.19.1}
 VENV=${KERNELS_NEWEST_VENV:-.venv-kernels-$KERNELS_NEWEST}
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv --system-site-packages "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q "kernels[benchmark]==$KERNELS_NEWEST"
-"$VENV/bin/python" -c "import kernels, sys; print('test_kernels_newest.sh: kernels', kernels.__version__); sys.exit(kernels.__version__ != '$KERNELS_NEWEST')"
+bash scripts/side_venv.sh "$VENV" "kernels[benchmark]==$KERNELS_NEWEST"
 
 FILES=(
     tests/packaging/test_layout.py

@@ -21,6 +21,7 @@ _INTERNALS = "kernels._internals" if VERSION >= (0, 19) else "kernels"
 
 resolver = importlib.import_module(f"{_INTERNALS}.resolver")
 versions = importlib.import_module(f"{_INTERNALS}._versions")
+backends = importlib.import_module(f"{_INTERNALS}.backends")
 # `python -c CLI verb ...` runs the `kernels` command of this interpreter's kernels.
 CLI = f"import sys; from {_INTERNALS}.cli import main; sys.argv[0] = 'kernels'; sys.exit(main())"
 KERNELS_CLI = [sys.executable, "-c", CLI]
@@ -38,3 +39,9 @@ def cli_main():
 def benchmark_cli():
     """kernels' benchmark CLI module; it imports sigstore (and cryptography), absent on some machines."""
     return importlib.import_module(f"{_INTERNALS}.cli.benchmark")
+
+
+def backend() -> str:
+    """The backend whose variants kernels selects here ("cpu", "cuda", "rocm", ...): taken from the torch
+    build (``torch.version.cuda`` / ``hip``), not from whether a GPU is present."""
+    return backends._backend().name

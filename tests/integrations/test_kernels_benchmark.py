@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from kernels_api import KERNELS_CLI, benchmark_cli
+from kernels_api import KERNELS_CLI, backend, benchmark_cli
 
 # kernels' benchmark CLI imports sigstore (0.17) and tabulate (the `benchmark` extra), which a machine
 # may lack even where kernels itself loads (the GPU image): the module skips there, saying why.
@@ -23,6 +23,14 @@ from conftest import DEVICE, ON_GPU, REPO
 
 # The CLI itself refuses to run without its `benchmark` extra (tabulate, ...).
 needs_cli_deps = pytest.mark.skipif(bool(cli.MISSING_DEPS), reason=f"`kernels benchmark` lacks {cli.MISSING_DEPS}")
+# `kernels benchmark` loads the variant of the backend kernels selects from the torch build and runs the
+# workloads on that backend's device: a cpu variant on the CPU only under a CPU build of torch.
+KERNELS_BACKEND = backend()
+selects_cpu = pytest.mark.skipif(
+    KERNELS_BACKEND != "cpu",
+    reason=f"kernels selects {KERNELS_BACKEND} variants under torch {torch.__version__} (its build's backend), "
+    + ("and on this GPU the test below runs the repo itself" if ON_GPU else
+       "and this machine has no GPU to run them on: the CPU check needs a CPU build of torch"))
 
 
 def test_the_cli_discovers_and_runs_every_workload():
@@ -41,11 +49,11 @@ def test_the_cli_discovers_and_runs_every_workload():
 
 
 @needs_cli_deps
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the test below runs the repo itself")
+@selects_cpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run needs TRITON_INTERPRET=1")
 def test_kernels_benchmark_cli_on_the_cpu(tmp_path):
-    """`kernels benchmark <folder>` end to end on a CPU-only torch, at the script's tiny shape. The CLI
-    loads the folder with get_local_kernel, which on a CPU torch takes only a cpu variant: the folder
+    """`kernels benchmark <folder>` end to end on a CPU build of torch, at the script's tiny shape. The CLI
+    loads the folder with get_local_kernel, which on a CPU build takes only a cpu variant: the folder
     holds `benchmarks/benchmark.py` and the committed variant as `build/torch-cpu` (its metadata says
     `cpu`; the digest leaves metadata.json out, so it still validates). The CLI fails on a workload
     whose output does not match its `verify_` reference."""
