@@ -260,6 +260,9 @@ _SM80_NEWER_TRITON = replace(_SM80, sweep=_one(replace(_SQUARE, block_v=64)))
 # ``PassManager::run failed``); by pointers 0 bytes of stack.
 _SM100 = replace(_SM90, sweep=_one(_SQUARE), chunked=_one(replace(_SQUARE, group_m=16)), compensated=_SM90_PAIRED_ROWS,
                  pingpong=None, transposed_store_tma=False)
+# sm100 after Triton 3.6: the dlogits kernel with the bias gradient spills 304 bytes at sm90's 128 x 256
+# under 3.7.1; 128 x 128 with 8 warps none under 3.7.1 and 3.8, 0-8 bytes under 3.9; not timed.
+_SM100_NEWER_TRITON = replace(_SM100, dlogits=_one(_SQUARE))
 # sm120 (99 KB a block, TMA, mma.sync): 128 x 128 tiles with 8 warps everywhere (sm90's chunked sweep
 # needs 160 KB, its fp32 sums 128 KB).
 _SM120_MATMUL = replace(_SM80_MATMUL, c_tma=True, split_pair=True)
@@ -309,7 +312,8 @@ ARCHS = (
     Arch("sm90", "H100, H200", recognises=((9, 0),), declares=("9.0",), shared=227 * KB, tma=True, mma="wgmma",
          tables=_SM90, overlays=(((3, 6), _SM90_NEWER_TRITON),), **_CUDA_FACTS),
     Arch("sm100", "B200, GB200, B300", recognises=((10, 0), (10, 3), (11, 0)),
-         declares=("10.0", "10.3"), shared=227 * KB, tma=True, mma="tcgen05", tables=_SM100, **_CUDA_FACTS),
+         declares=("10.0", "10.3"), shared=227 * KB, tma=True, mma="tcgen05", tables=_SM100,
+         overlays=(((3, 6), _SM100_NEWER_TRITON),), **_CUDA_FACTS),
     Arch("sm120", "RTX 5090, RTX PRO 6000", recognises=((12, 0), (12, 1)), declares=("12.0",), shared=99 * KB,
          tma=True, mma="mma.sync", tables=_SM120, **_CUDA_FACTS),
     Arch("cdna2", "MI210, MI250, MI250X", recognises=("gfx90a",), declares=("gfx90a",), shared=64 * KB, tf32=False,

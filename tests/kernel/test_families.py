@@ -155,8 +155,8 @@ def test_the_measured_sm90_tables():
 
 def test_a_newer_triton_takes_the_tables_that_hold_under_it(monkeypatch):
     """sm_90's measured tables under Triton 3.6; after it (3.9 spills 424-960 bytes in the chunked
-    sweep with them) the 128 x 128 sweeps; sm_80's sweep 128 x 64 after it; the other families one
-    table for all."""
+    sweep with them) the 128 x 128 sweeps; sm_80's sweep 128 x 64 after it, sm_100's dlogits 128 x 128;
+    the other families one table for all."""
     mock_gpu(monkeypatch, "H100")
     bf16 = torch.bfloat16
     measured = archs.get("sm90").tables
@@ -168,11 +168,14 @@ def test_a_newer_triton_takes_the_tables_that_hold_under_it(monkeypatch):
     assert configs.tiles("chunked", bf16, 1024, where=CUDA) == measured.chunked[0][1]
     assert configs.tiles("dlogits", bf16, 4096, where=CUDA) == measured.dlogits[0][1]
     assert configs.matmul_config(bf16, where=CUDA) == measured.product
-    assert [a.name for a in archs.ARCHS if a.overlays] == ["sm80", "sm90"]
+    assert [a.name for a in archs.ARCHS if a.overlays] == ["sm80", "sm90", "sm100"]
     # sm80's per-token sweep (272 bytes of spills at 128 x 128 under 3.8): 128 x 64 after 3.6
     assert configs.tiles("sweep", bf16, where="sm80").block_v == 64
+    # sm100's dlogits with the bias gradient (304 bytes at 128 x 256 under 3.7.1): 128 x 128 after 3.6
+    assert configs.tiles("dlogits", bf16, where="sm100").block_v == 128
     monkeypatch.setattr(configs, "triton_version", lambda: (3, 6))
     assert configs.tables("sm80") == configs.tables("sm86")
+    assert configs.tiles("dlogits", bf16, where="sm100") == archs.get("sm90").tables.dlogits[0][1]
 
 
 def test_the_families_differ_where_the_offline_compile_says():
