@@ -62,6 +62,7 @@ class _Builder:
         from fused_linear_ce import configs
 
         self.fam, self.tma, bf16 = fam, arch_of(target).tma, torch.bfloat16
+        self.atomic_sem = arch_of(target).atomic_sem
         self.sweep, self.chunked, self.dlogits = (configs.tiles(role, bf16, None, where=fam)
                                                   for role in ("sweep", "chunked", "dlogits"))
         self.small = configs.tiles("chunked", bf16, 1024, where=fam)
@@ -183,7 +184,8 @@ def _product_cases(b: _Builder) -> list[Case]:
                   c_dtype="*fp32"),
         b.mm_case("matmul, pointers", mm, dict(A_T=False, C_TMA=False), a_descs),
         # grad_hidden's K reduction in two halves added into fp32 by atomics (``gemm.split_k``)
-        b.mm_case("matmul, split K", mm, dict(A_T=False, C_TMA=b.tma, HAS_SCALE=False, SPLIT_K=2),
+        b.mm_case("matmul, split K", mm,
+                  dict(A_T=False, C_TMA=b.tma, HAS_SCALE=False, SPLIT_K=2, ATOMIC_SEM=b.atomic_sem),
                   dict(a_descs, **d(c_desc=(mm.block_m, mm.block_p // 2))), c_dtype="*fp32"),
         b.pair("matmul, da^T, compensated", b.comp, A_T=True),
         b.pair("matmul, da^T, compensated int8", b.comp, A_T=True, lo_dtype="i8"),

@@ -145,6 +145,10 @@ class Arch:
     # in ascending version, each taking every release after its version.
     overlays: tuple = ()
     max_warps: int = 32  # warps a block may have (1024 threads)
+    # The memory ordering of the fp32 atomic adds (the split-K matmul's partial sums, ``gemm.py``):
+    # relaxed on ROCm, where the default acquire-release adds fences around each; the sums need no
+    # ordering (the host reads them after the kernel), and CUDA keeps the default its figures have.
+    atomic_sem: str = "acq_rel"
     # The declared targets the matrix (tests/kernel/test_arch_matrix.py) compiles, where not all of
     # them: one a family whose parts share one instruction set and register file.
     matrix_only: tuple = ()
@@ -301,8 +305,8 @@ _RDNA = Tables(sweep=_one(_RDNA_SWEEP), chunked=_one(replace(_CDNA_SQUARE, block
                matmul_fp32=replace(FP32_MATMUL, block_m=32, num_stages=_AMD_STAGES))
 
 _CUDA_FACTS = dict(backend="cuda", wave=32, tf32=True)
-_CDNA_FACTS = dict(backend="rocm", wave=64, tma=False, mma="mfma", max_warps=16)
-_RDNA_FACTS = dict(backend="rocm", wave=32, tma=False, mma="wmma", tf32=False, shared=64 * KB)
+_CDNA_FACTS = dict(backend="rocm", wave=64, tma=False, mma="mfma", max_warps=16, atomic_sem="relaxed")
+_RDNA_FACTS = dict(backend="rocm", wave=32, tma=False, mma="wmma", tf32=False, shared=64 * KB, atomic_sem="relaxed")
 
 ARCHS = (
     Arch("sm80", "A100, A800", recognises=((8, 0), (8, 7)), declares=("8.0",), shared=163 * KB,

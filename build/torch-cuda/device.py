@@ -159,6 +159,13 @@ def tma_hardware(device: torch.device) -> bool:
     return arch is not None and arch.tma
 
 
+def atomic_sem(device: torch.device) -> str:
+    """The ordering of ``device``'s fp32 atomic adds (``archs.Arch.atomic_sem``); the default
+    acquire-release off a GPU (the interpreter)."""
+    arch = hardware(device) if device.type == "cuda" else None
+    return arch.atomic_sem if arch is not None else "acq_rel"
+
+
 def tma_layout(t: torch.Tensor) -> bool:
     """Whether a 2-D operand can go through a TMA tensor descriptor: contiguous rows, a row stride
     and a base address that are multiples of 16 bytes, no empty dimension. Elsewhere the kernels

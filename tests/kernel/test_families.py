@@ -77,6 +77,7 @@ def mock_rocm(monkeypatch, gcn_arch, cus=304):
 def test_each_gpu_gets_its_family(monkeypatch, name):
     mock_gpu(monkeypatch, name)
     assert device.family(CUDA) == GPUS[name][3]
+    assert device.atomic_sem(CUDA) == "acq_rel"  # Triton's default, what the CUDA figures were taken with
     assert configs.tables(CUDA) == archs.get(GPUS[name][3]).tables_for(configs.triton_version())
 
 
@@ -101,6 +102,7 @@ def test_each_amd_gpu_gets_its_family_and_no_cuda_feature(monkeypatch, name):
     assert device.input_precision(torch.float32, device=CUDA) == "ieee"
     device.check_dtype(torch.bfloat16, CUDA)
     assert configs.divergence_row_config(cus, 128256, CUDA) == (1, 4096, 16)
+    assert device.atomic_sem(CUDA) == "relaxed"  # the split-K sums without acquire-release fences
 
 
 def test_an_undeclared_gfx_takes_the_tables_of_its_wave():

@@ -131,6 +131,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: bool, 
         # interpreter has no descriptor reductions: pointers there)
         c_tma = (c.device.type == "cuda" and cfg.tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and c.is_contiguous())
+        flags["ATOMIC_SEM"] = device.atomic_sem(c.device)
     elif lo is None:  # a plain result through a descriptor: the config's choice, contiguous buffers only
         c_tma = (cfg.tma and cfg.c_tma and device.tma_hardware(c.device) and device.tma_layout(c)
                  and c.is_contiguous())
@@ -213,6 +214,7 @@ def matmul_kernel(
     C_TMA: tl.constexpr = False,
     SPLIT_PAIR: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    ATOMIC_SEM: tl.constexpr = "acq_rel",  # the split-K partial sums' ordering (``device.atomic_sem``)
 ):
     """C = A @ B (+ C when ACCUMULATE), fp32 accumulation, one (BLOCK_M, BLOCK_P) tile a program.
 
@@ -290,7 +292,8 @@ def matmul_kernel(
         c_desc.atomic_add([row0, col0], left)
         c_desc.atomic_add([row0, col0 + BLOCK_P // 2], right)
     elif SPLIT_K > 1:
-        tl.atomic_add(c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp, acc, mask=mask)
+        tl.atomic_add(c_ptr + offs_m[:, None] * stride_cm + offs_p[None, :] * stride_cp, acc, mask=mask,
+                      sem=ATOMIC_SEM)
     elif COMPENSATED and C_TMA:  # rows and columns past the end are neither read nor written
         if SPLIT_PAIR:  # two column halves, one after the other: fewer live registers
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_P // 2)), (0, 2, 1)))
