@@ -50,6 +50,7 @@ TAGS = (
     "kernel",
     "triton",
     "cuda",
+    "rocm",
     "cross-entropy",
     "fused-linear-cross-entropy",
     "loss",
