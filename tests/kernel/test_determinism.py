@@ -70,8 +70,9 @@ def test_kernels_and_launcher_use_no_atomics_or_scatter_adds():
     by the next test); a future fast path that adds one needs a documented deterministic setting and
     its own test here."""
     package = Path(fused_linear_ce.__file__).parent
+    ops = "(?:add|max|min|xchg|cas|and|or|xor)"  # Triton's atomic operations (not ``atomic_sem``, their ordering)
     pattern = re.compile(
-        r"tl\.atomic_\w+|\.atomic_\w+\(|index_add_?\(|scatter_add_?\(|scatter_reduce_?\(|accumulate=True"
+        rf"tl\.atomic_{ops}\b|\.atomic_{ops}\(|index_add_?\(|scatter_add_?\(|scatter_reduce_?\(|accumulate=True"
     )
     found = {p.name: pattern.findall(p.read_text()) for p in sorted(package.glob("*.py"))}
     assert any("tl.dot" in (package / name).read_text() for name in found), "scanned the wrong package"
