@@ -11,13 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${TRITON_VERSION:-3.9.0}"
 venv="${VENV:-${TMPDIR:-/tmp}/fused_linear_ce_triton${version//./}}"
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv --system-site-packages "$venv"
-fi
-if [ "$("$venv/bin/python" -c 'import triton; print(triton.__version__)' 2>/dev/null)" != "$version" ]; then
-  "$venv/bin/python" -m pip install --quiet "triton==$version"
-fi
-echo "triton $("$venv/bin/python" -c 'import triton; print(triton.__version__)') in $venv"
+bash scripts/side_venv.sh "$venv" "triton==$version"
 # A cache of its own: binaries of another Triton never mix with the installed one's.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$venv/triton_cache}"
 unset TRITON_INTERPRET
