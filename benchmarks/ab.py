@@ -16,6 +16,8 @@ Settings: ``eval`` (no_grad forward), ``default`` (the default budget), ``64M`` 
 (fp32 hidden and weight under ``torch.autocast(bfloat16)``: an fp32 master weight), ``sft`` and ``grpo`` (``fused_linear_logprobs`` with
 ``bench_logprobs.py``'s outputs; sft's loss is the mean NLL, so its errors are against the same
 reference; grpo's errors are against that reference too and only compare packages with each other).
+``softcap-bias`` / ``softcap-bias-chunked`` (Gemma-2-like: ``softcap=30`` and a bias, at the default budget
+and on the chunked path in one chunk; their errors, dB's too, against an fp32 reference of that loss).
 ``--liger`` adds Liger's loss (to every plain-loss setting's block, interleaved with it) as the
 issue's reference point.
 Prints a table last; writes ab.json under --out.
@@ -35,10 +37,11 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench import gpu_name, make_data, reference_and_stats, rel, versions  # noqa: E402
+from bench import gpu_name, make_data, matmul_precision, reference_and_stats, rel, versions  # noqa: E402
 from bench_logprobs import WORKLOADS, workload_loss  # noqa: E402
 
 import fused_linear_ce  # noqa: E402
+from fused_linear_ce import reference  # noqa: E402
 
 MiB = 1 << 20
 SHAPES = {"S1": (8192, 4096, 128256), "S2": (4096, 2304, 256000), "S3": (16384, 2048, 151936),
@@ -62,8 +65,28 @@ SETTINGS = {
     "master": dict(),
     "master-448M": dict(chunk_bytes=448 * MiB),
     "master-recompute": dict(strategy="recompute"),
+    # Gemma-2-like: a softcapped loss with a bias (the chunked sweep's epilogue tiles differ for it)
+    "softcap-bias": dict(softcap=30.0),
+    "softcap-bias-chunked": dict(softcap=30.0, strategy="chunked", chunk_bytes=1 << 50),
 }
 MASTER = ("master", "master-448M", "master-recompute")
+SOFTCAP_BIAS = ("softcap-bias", "softcap-bias-chunked")
+
+
+def make_bias(weight):
+    """The bias of the softcap-bias settings: fixed, of the order of trained lm-head biases."""
+    g = torch.Generator(weight.device).manual_seed(2)
+    return (0.1 * torch.randn(weight.shape[0], generator=g, device=weight.device)).to(weight.dtype)
+
+
+def softcap_bias_reference(hidden, weight, targets, bias, softcap=30.0):
+    """dX, dW, dB of the mean softcapped loss with fp32 logits (tf32 matmuls, as bench.py's reference)."""
+    chunk = max(1, min(hidden.shape[0], (2 << 30) // (4 * weight.shape[0])))
+    with matmul_precision("tf32", hidden.device):
+        _, count, dx, dw, db = reference.chunked_linear_cross_entropy(hidden, weight, targets, bias, chunk=chunk,
+                                                                      softcap=softcap)
+    c = count.item()
+    return dx.div_(c), dw.div_(c), db.div_(c)
 
 
 def load_copy(name, path):
@@ -104,6 +127,15 @@ def runner(package, setting, hidden, weight, targets):
         return run, None, None
     h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
     kwargs = SETTINGS[setting]
+    if setting in SOFTCAP_BIAS:
+        b = make_bias(weight).requires_grad_(True)
+
+        def run():
+            h.grad = w.grad = b.grad = None
+            package.fused_linear_cross_entropy(h, w, targets, bias=b, **kwargs).backward()
+
+        run.bias = b
+        return run, h, w
     if setting in MASTER:
         h, w = hidden.float().requires_grad_(True), weight.float().requires_grad_(True)
 
@@ -159,6 +191,7 @@ def main():
         for dist in args.dists:
             hidden, weight, targets = make_data(n, h, v, dist, device, seed=0)
             _, ref_dx, ref_dw, _ = reference_and_stats(hidden, weight, targets, "tf32")
+            capped = None  # (dX, dW, dB) of the softcap-bias loss, computed when a setting needs it
             for setting in args.settings:
                 runs = {}
                 for name, package in packages.items():
@@ -173,7 +206,12 @@ def main():
                     torch.cuda.synchronize()
                     row = dict(shape=shape, dist=dist, setting=setting, package=name,
                                extra_mib=(torch.cuda.max_memory_allocated() - base) / MiB, times=[])
-                    if hl is not None:
+                    if setting in SOFTCAP_BIAS:
+                        if capped is None:
+                            capped = softcap_bias_reference(hidden, weight, targets, run.bias)
+                        row.update(dx_err=rel(hl.grad, capped[0]), dw_err=rel(wl.grad, capped[1]),
+                                   db_err=rel(run.bias.grad, capped[2]))
+                    elif hl is not None:
                         row.update(dx_err=rel(hl.grad, ref_dx), dw_err=rel(wl.grad, ref_dw))
                     runs[name] = (run, row)
                     rows.append(row)
@@ -184,7 +222,7 @@ def main():
                     row["ms"] = statistics.median(row["times"])
                     print(json.dumps(row), flush=True)
                 del runs
-            del hidden, weight, targets, ref_dx, ref_dw
+            del hidden, weight, targets, ref_dx, ref_dw, capped
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
