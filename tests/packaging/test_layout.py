@@ -277,9 +277,12 @@ def test_package_imports_are_relative():
 
 
 # Runs in a fresh interpreter: spies on every torch.cuda entry point that queries or initialises a
-# device, imports the variant through the real loader, and reports what was touched.
+# device, imports the variant through the real loader, and reports what was touched, split by caller:
+# the kernel's own files (a frame under the variant's folder on the call's stack) or the loader
+# (kernels 0.19 asks `torch.cuda.is_available()` itself, in its architecture check, on a CUDA build of
+# torch). Only the kernel's calls are the kernel's to answer for.
 _IMPORT_PROBE = r"""
-import json, sys
+import json, sys, traceback
 from pathlib import Path
 import torch, triton, kernels
 from triton.runtime.driver import driver as triton_driver
@@ -287,11 +290,13 @@ from triton.runtime.driver import driver as triton_driver
 FORBIDDEN = ("init", "_lazy_init", "is_available", "device_count", "current_device", "set_device",
              "get_device_capability", "get_device_properties", "get_device_name", "synchronize",
              "mem_get_info", "get_arch_list")
-calls = []
+VARIANT = Path(sys.argv[1]).resolve()
+calls = {"kernel": [], "loader": []}
 
 def spy(name, fn):
     def wrapper(*args, **kwargs):
-        calls.append(name)
+        files = [Path(frame.filename).resolve() for frame in traceback.extract_stack()[:-1]]
+        calls["kernel" if any(VARIANT in f.parents for f in files) else "loader"].append(name)
         return fn(*args, **kwargs)
     return wrapper
 
@@ -299,35 +304,55 @@ for name in FORBIDDEN:
     if hasattr(torch.cuda, name):
         setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
 
-module = kernels.get_local_kernel(Path(sys.argv[1]))
+module = kernels.get_local_kernel(VARIANT)
 print(json.dumps({
     "module": module.__name__,
+    "module_file": str(Path(module.__file__).resolve()),
     "has_api": hasattr(module, "fused_linear_cross_entropy"),
-    "cuda_calls": calls,
+    "cuda_calls": calls["kernel"],
+    "loader_cuda_calls": calls["loader"],
     "cuda_initialized": torch.cuda.is_initialized(),
     "triton_driver_created": triton_driver._default is not None or triton_driver._active is not None,
 }))
 """
 
 
+def _probe_import(variant: Path, env: dict) -> dict:
+    """The probe's report for ``variant`` imported through ``kernels.get_local_kernel`` in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, str(variant)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("env_case", ["nix-sandbox", "inherited"])
 def test_import_does_not_touch_the_gpu(env_case, backend):
-    """kernel-builder imports each variant's build with get_local_kernel in a sandbox without a GPU."""
+    """kernel-builder imports each variant's build with get_local_kernel in a sandbox without a GPU: the
+    kernel's own code asks torch.cuda nothing and creates no Triton driver (what the loader asks is its own)."""
     env = dict(os.environ)
     if env_case == "nix-sandbox":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_PROBE, str(VARIANTS[backend])], capture_output=True, text=True, env=env,
-        timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _probe_import(VARIANTS[backend], env)
     assert report["module"] == Metadata.read_from_file(VARIANTS[backend] / "metadata.json").id
+    assert VARIANTS[backend].resolve() in Path(report["module_file"]).parents  # the spy's attribution holds
     assert report["has_api"]
     assert report["cuda_calls"] == [], f"importing the kernel called torch.cuda.{report['cuda_calls']}"
     assert not report["cuda_initialized"]
     assert not report["triton_driver_created"], "importing the kernel created a Triton driver (GPU query)"
+
+
+def test_import_probe_sees_the_kernels_own_calls(tmp_path):
+    """The probe is not blind: a copy of the variant whose import asks ``torch.cuda.is_available()`` is caught."""
+    copy = tmp_path / "torch-cuda"
+    shutil.copytree(VARIANT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    init = next(copy.rglob("__init__.py"))
+    init.write_text(init.read_text() + "\nimport torch as _t\n_t.cuda.is_available()\n")
+    meta = json.loads((copy / "metadata.json").read_text())  # kernels 0.19 checks the digest: re-hash
+    (copy / "metadata.json").write_bytes(sync_build.render_metadata(dict(meta, digest=sync_build.hash_variant(copy))))
+    report = _probe_import(copy, dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert report["cuda_calls"] == ["is_available"], report
 
 
 # The longest a host function may be, docstring included: one screen, read without scrolling back.
