@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -67,6 +68,14 @@ def loaded_variant(kernel) -> str:
     return Path(kernel.__file__).parent.name
 
 
+def forget_loaded(monkeypatch, variant: Path) -> None:
+    """Drops, for this test, the module that shares ``variant``'s id: kernels 0.19 hands back a module
+    already imported under the same id (from build/ by an earlier test) instead of the snapshot's."""
+    module_id = Metadata.read_from_file(variant / "metadata.json").id
+    for name in [n for n in sys.modules if n == module_id or n.startswith(module_id + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
     """Offline mode with an empty cache in tmp_path (`offline_hub`)."""
@@ -88,7 +97,7 @@ def test_cache_layout_is_what_the_libraries_read(hub_cache):
 
 
 @pytest.mark.kernels_ci
-def test_get_kernel_version_from_hub_cache_offline(hub_cache):
+def test_get_kernel_version_from_hub_cache_offline(hub_cache, monkeypatch):
     commit, snapshot = build_hub_cache(hub_cache, REPO_ID, branch_files(), ref=BRANCH)
     if TORCH_IS_CPU_BUILD:
         with pytest.raises(FileNotFoundError) as refused:
@@ -96,6 +105,7 @@ def test_get_kernel_version_from_hub_cache_offline(hub_cache):
         assert_variant_refusal(str(refused.value), commit)
         return
     variant = snapshot / "build" / ("torch-cuda" if TORCH_IS_CUDA_BUILD else "torch-rocm")
+    forget_loaded(monkeypatch, variant)
     kernel = get_kernel(REPO_ID, version=VERSION)
     assert Path(kernel.__file__).parent == variant
     assert kernel.__name__ == Metadata.read_from_file(variant / "metadata.json").id
