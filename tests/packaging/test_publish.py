@@ -1,17 +1,15 @@
-"""scripts/upload.py and scripts/make_card.py, without the Hub.
+"""scripts/upload.py, without the Hub.
 
 The dry run is checked line for line on a clean clone of this repo (HEAD), with a listing of the
-remote branch that has stale files; the refusals (dirty tree, stale build/, invalid metadata) are
-checked on clones changed accordingly; the real upload path runs against a recording stand-in for
-`HfApi`. Sockets are refused throughout.
+remote branch that has stale files; the refusals (dirty tree, stale build/, invalid metadata, stale
+digest, a Nix build that drifted) are checked on clones changed accordingly; the real upload path runs
+against a recording stand-in for `HfApi`. Sockets are refused throughout. The card the upload puts on
+`main`: test_publish_card.py; the variant's digest and compatibility package: test_publish_variant.py.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
-import re
 import shutil
 import socket
 import subprocess
@@ -21,12 +19,9 @@ from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
-import yaml
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import HfHubHTTPError
-from conftest import DEVICE, ON_GPU
 from hub_offline import RecordingHubApi, guarded_env, load_script, refuse_network
-from kernels._rust import Digest, DigestValidationError, Metadata
 
 REPO = Path(__file__).resolve().parents[2]
 UPLOAD = REPO / "scripts" / "upload.py"
@@ -303,207 +298,6 @@ def test_hub_refusal_message_leaves_other_errors_alone():
     assert upload.hub_refusal_message(_http_error(500), repo_id="a/b", repo_type="kernel") is None
     assert upload.hub_refusal_message(ValueError("x"), repo_id="a/b", repo_type="kernel") is None
     assert "HTTP 401" in upload.hub_refusal_message(_http_error(401), repo_id="a/b", repo_type="kernel")
-
-
-# --- the variant's digest and the compatibility package ---------------------------------------------
-
-VARIANT = REPO / "build" / "torch-cuda"
-
-
-def test_committed_digest_matches_the_variant_files():
-    """What `kernels.verify.verify_variant` checks after the signature: re-hash the folder with the
-    metadata's algorithm and validate. Fails when any variant file changed after sync_build ran."""
-    meta = Metadata.read_from_file(VARIANT / "metadata.json")
-    assert meta.digest is not None, "metadata.json has no digest: run `python3 scripts/sync_build.py`"
-    meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, VARIANT))
-    raw = json.loads((VARIANT / "metadata.json").read_bytes())["digest"]
-    files = {p.relative_to(VARIANT).as_posix() for p in VARIANT.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert raw["algorithm"] == "sha256"
-    assert set(raw["files"]) == files - set(sync_build.DIGEST_EXCLUDED)
-    assert "fused_linear_ce/__init__.py" in raw["files"]
-
-
-def test_digest_leaves_out_what_kernels_leaves_out(tmp_path):
-    """The digest is kernels' own: metadata.json, its signature and bytecode are not hashed, so the
-    loader's __pycache__ and a later signature do not make it stale; any other file change does."""
-    variant = tmp_path / "torch-cuda"
-    shutil.copytree(VARIANT, variant, ignore=shutil.ignore_patterns("__pycache__"))
-    meta = Metadata.read_from_file(variant / "metadata.json")
-    (variant / "__pycache__").mkdir()
-    (variant / "__pycache__" / "api.cpython-311.pyc").write_bytes(b"\0")
-    (variant / "metadata.json.sigstore").write_text("{}")
-    meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
-    (variant / "api.py").write_text("changed\n")
-    (variant / "extra.py").write_text("x = 1\n")
-    with pytest.raises(DigestValidationError) as e:
-        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))
-    text = " ".join(str(v) for v in e.value.violations)
-    assert "api.py" in text and "extra.py" in text
-
-
-def test_sync_build_reports_and_fixes_a_stale_digest(tmp_path):
-    repo = tmp_path / "repo"
-    shutil.copytree(REPO / "torch-ext", repo / "torch-ext", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "build", repo / "build", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("metadata.json", "build.toml"):
-        shutil.copy(REPO / name, repo / name)
-    assert sync_build.check(repo) == []
-    compat = repo / "build" / "torch-cuda" / "fused_linear_ce" / "__init__.py"
-    compat.write_text("# old compat module\n")
-    assert sync_build.check(repo) == ["differs: build/torch-cuda/fused_linear_ce/__init__.py"]
-    # A hand-made metadata.json with a wrong digest is reported even when every other file is right.
-    compat.write_bytes(sync_build.COMPAT_INIT.encode())
-    meta = json.loads((repo / "metadata.json").read_bytes())
-    meta["digest"]["files"]["api.py"] = "AAAA"
-    for path in (repo / "metadata.json", repo / "build" / "torch-cuda" / "metadata.json"):
-        path.write_bytes(sync_build.render_metadata(meta))
-    assert sync_build.check(repo) == ["differs: build/torch-cuda/metadata.json", "differs: metadata.json"]
-    sync_build.sync(repo)
-    assert sync_build.check(repo) == []
-    fixed = Metadata.read_from_file(repo / "build" / "torch-cuda" / "metadata.json")
-    fixed.digest.validate(Digest.hash_variant(fixed.digest.algorithm, repo / "build" / "torch-cuda"))
-
-
-def _import_as(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
-
-
-def test_compat_package_exports_the_flat_variant_symbols(monkeypatch):
-    """An older loader imports build/torch-cuda/fused_linear_ce/__init__.py as a package of its own:
-    it must import (its relative imports resolve one level up) and export the flat package's names."""
-    for name in list(sys.modules):
-        if name.startswith(("_flce_flat_test", "_flce_compat_test")):
-            monkeypatch.delitem(sys.modules, name)
-    flat = _import_as("_flce_flat_test", VARIANT / "__init__.py")
-    compat_init = VARIANT / "fused_linear_ce" / "__init__.py"
-    assert compat_init.read_text() == sync_build.COMPAT_INIT
-    compat = _import_as("_flce_compat_test_a", compat_init)
-    public = lambda m: sorted(n for n in vars(m) if not n.startswith("_"))  # noqa: E731
-    assert sorted(compat.__all__) == sorted(flat.__all__)
-    assert set(flat.__all__) <= set(public(compat)) and set(public(compat)) <= set(flat.__all__) | {"annotations"}
-    # The flat package was already imported from this folder (here, and maybe earlier in the session by
-    # the loader under its id): the compat package reuses such a module instead of importing a copy.
-    reused = compat._variant
-    assert Path(reused.__file__).resolve() == (VARIANT / "__init__.py").resolve()
-    assert reused.__name__ != "_flce_compat_test_a._variant"
-    for name in flat.__all__:
-        assert getattr(compat, name) is getattr(reused, name), name
-
-
-def test_compat_package_alone_loads_the_kernel(tmp_path):
-    """In a fresh process (what an older loader sees): only the compat package is imported, under the
-    python name, and its loss runs."""
-    code = f"""
-import importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location("fused_linear_ce", {str(VARIANT / "fused_linear_ce" / "__init__.py")!r})
-m = importlib.util.module_from_spec(spec); sys.modules["fused_linear_ce"] = m; spec.loader.exec_module(m)
-d = {DEVICE.type!r}
-h = torch.randn(4, 16, device=d); w = torch.randn(10, 16, device=d); t = torch.tensor([1, 2, 3, -100], device=d)
-ref = torch.nn.functional.cross_entropy(h @ w.T, t)
-print(sorted(m.__all__), float((m.fused_linear_cross_entropy(h, w, t) - ref).abs()))
-"""
-    env = guarded_env(tmp_path, tmp_path / "hf_home")
-    if not ON_GPU:  # on a GPU the kernels compile for it
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    names, diff = proc.stdout.strip().rsplit(" ", 1)
-    flat_all = ast.literal_eval(re.search(r"__all__ = (\[.*?\])", (VARIANT / "__init__.py").read_text(), re.S).group(1))
-    assert names == repr(sorted(flat_all))
-    assert float(diff) < 1e-4
-
-
-# --- the card ---------------------------------------------------------------------------------------
-
-
-def test_card_is_the_readme_under_front_matter():
-    card = make_card.render_card(REPO)
-    _, front, body = card.split("---\n", 2)
-    meta = yaml.safe_load(front)
-    assert meta["license"] == json.loads((REPO / "metadata.json").read_text())["license"] == "apache-2.0"
-    assert meta["library_name"] == "kernels"
-    assert {"kernel", "triton", "cross-entropy"} <= set(meta["tags"])
-    general = upload._general(REPO)
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    # Verbatim but for the one rewrite: clones of the Hub repo pinned to the version branch.
-    readme = make_card.pin_clone_branch(readme, general["hub"]["repo-id"], general["version"])
-    preamble, sections = make_card.split_sections(readme)
-    assert body.lstrip().startswith(preamble)
-    kept = [h for h, _ in sections if h not in make_card.REPO_ONLY_SECTIONS]
-    assert set(make_card.REQUIRED_SECTIONS) <= set(kept)
-    for heading, text in sections:
-        assert (text in body) is (heading in kept), heading
-    positions = [body.index(text) for heading, text in sections if heading in kept]
-    assert positions == sorted(positions), "sections keep the README's order"
-    assert "get_kernel(" in body and "|---" in dict(sections)["Memory and speed"]
-
-
-def test_card_assets_are_uploaded_next_to_the_card():
-    """Every relative link of the card (images, docs/*.md) goes to `main` beside it: none is broken
-    on the Hub."""
-    assets = make_card.card_assets(REPO)
-    card = make_card.render_card(REPO)
-    for rel in assets:
-        assert (REPO / rel).is_file() and f"]({rel}" in card
-    relative = {t.split("#", 1)[0] for t in re.findall(r"\]\(([^)\s]+)", card)
-                if not re.match(r"^([a-z][a-z0-9+.-]*:|/|#)", t, re.IGNORECASE)}
-    assert relative == set(assets)
-    assert any(a.startswith("docs/") for a in assets)
-    ops = upload.plan_operations(REPO, [])
-    assert [op.path for op in ops if op.branch == "main"] == ["README.md", *assets]
-
-
-def test_card_cli_prints_render_card():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "make_card.py")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == make_card.render_card(REPO)
-
-
-def test_sections_ignore_headings_in_code_and_require_the_card_sections(tmp_path):
-    text = "# t\nintro\n## A\n```bash\n## not a heading\n```\n## Clean room\nx\n"
-    preamble, sections = make_card.split_sections(text)
-    assert preamble == "# t\nintro"
-    assert [h for h, _ in sections] == ["A", "Clean room"]
-    assert "## not a heading" in sections[0][1]
-    (tmp_path / "README.md").write_text(text)
-    with pytest.raises(ValueError, match="lacks the section"):
-        make_card.card_sections(tmp_path)
-
-
-def test_card_clones_the_version_branch():
-    """A plain clone of the Hub repo checks out `main`, which holds only the card: every clone command
-    on the card names the version branch, where build/ is (the upload plan puts build/ there only)."""
-    card = make_card.render_card(REPO)
-    general = upload._general(REPO)
-    clones = [line for line in card.splitlines() if "git clone" in line and general["hub"]["repo-id"] in line]
-    for line in clones:
-        assert f"git clone -b v{general['version']} " in line, line
-    ops = upload.plan_operations(REPO, [])
-    assert not [op.path for op in ops if op.branch == "main" and op.path.startswith("build/")]
-    assert any(op.path == "build/torch-cuda/__init__.py" and op.branch == f"v{general['version']}" for op in ops)
-
-
-@pytest.mark.parametrize(
-    ("line", "pinned"),
-    [
-        ("git clone https://huggingface.co/org/k", "git clone -b v3 https://huggingface.co/org/k"),
-        ("git clone --depth 1 https://huggingface.co/kernels/org/k.git d", "git clone -b v3 --depth 1 https://huggingface.co/kernels/org/k.git d"),
-        ("git clone -b v2 https://huggingface.co/org/k", "git clone -b v2 https://huggingface.co/org/k"),
-        ("git clone --branch=main https://hf.co/org/k", "git clone --branch=main https://hf.co/org/k"),
-        ("git clone https://github.com/org/k", "git clone https://github.com/org/k"),
-        ("git clone https://huggingface.co/org/k-other", "git clone https://huggingface.co/org/k-other"),
-    ],
-)
-def test_pin_clone_branch(line, pinned):
-    assert make_card.pin_clone_branch(line, "org/k", 3) == pinned
 
 
 # --- uploading a kernel-builder (Nix) build -----------------------------------------------------------
