@@ -4,7 +4,7 @@
 The card is the README's title and introduction plus its user-facing `## ` sections, copied verbatim,
 under a YAML front matter (license from metadata.json, `library_name: kernels`, tags). Nothing is
 written by hand twice, so the card and the README cannot disagree; `scripts/upload.py` uploads the
-output of `render_card()`, and tests/packaging/test_publish.py checks it against the current README.
+output of `render_card()`, and tests/packaging/test_publish_card.py checks it against the current README.
 
 Sections named in `REPO_ONLY_SECTIONS` (how to develop and publish this repo) are left out; every other
 `## ` section goes in, in README order, and `REQUIRED_SECTIONS` must exist (usage, benchmark table,

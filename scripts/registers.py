@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "torch-ext"))
 
-# Case: tests build their own (test_divergence.py)
+# Case: tests build their own (test_divergence_plan.py)
 from register_cases import Case, arch_of, cases, matmul_cases, pingpong_cases  # noqa: E402
 
 # Non-constexpr arguments by name: fp32 / int pointers; every other pointer is the input dtype (bf16).

@@ -78,7 +78,7 @@ ID_HEX_DIGITS = 7  # kernels' convention for ids (`_<name>_<backend>_<7 hex>`)
 # that a typo fails before the loader.
 REQUIRED_KEYS = ("name", "version", "license", "python-depends")
 DIGEST_ALGORITHM = "SHA256"  # kernels._rust.DigestAlgorithm member; written as "sha256"
-# Files `Digest.hash_variant` leaves out of a variant's digest (checked by tests/packaging/test_publish.py).
+# Files `Digest.hash_variant` leaves out of a variant's digest (checked by tests/packaging/test_publish_variant.py).
 DIGEST_EXCLUDED = ("metadata.json", "metadata.json.sigstore")
 SYMBOLS = "symbols.json"  # what `kernels describe-api` (0.19+) reads from the variant
 SYMBOLS_SCRIPT = Path(__file__).resolve().with_name("symbols.py")

@@ -20,6 +20,7 @@ FILES=(
     tests/packaging/test_hub_cache.py
     tests/packaging/test_pinning.py
     tests/packaging/test_publish.py
+    tests/packaging/test_publish_variant.py
     tests/packaging/test_kernels_tools.py
     tests/packaging/test_workflows.py
     tests/integrations/test_kernels_benchmark.py

@@ -34,8 +34,8 @@ FILES=(
     "$K/test_products.py::test_matmul_through_tma_descriptors_is_the_sum_rounded_once"
     "$K/test_products.py::test_matmul_takes_pointer_loads_where_tma_does_not_apply"
     "$K/test_compensated.py::test_the_pair_follows_the_exact_sum_where_a_plain_16bit_sum_drifts"
-    "$K/test_compensated.py::test_a_4bit_remainder_holds_the_sum_to_12_bits"
-    "$K/test_compensated.py::test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair"
+    "$K/test_compensated_bits.py::test_a_4bit_remainder_holds_the_sum_to_12_bits"
+    "$K/test_compensated_bits.py::test_the_long_context_plan_sums_grad_hidden_in_the_int8_pair"
     "$K/test_hosted_chunk.py::test_hosted_against_float64"
     "$K/test_bf16_emulation.py"
 )
