@@ -58,7 +58,7 @@ mkdir -p "$LOG_DIR"
 
 if [ "$mode" = plan ]; then
     TRITON_INTERPRET=${TRITON_INTERPRET:-1} "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider \
-        --gpu-plan-json "$LOG_DIR/plan.json" "$@" >/dev/null || true
+        --gpu-plan-json="$LOG_DIR/plan.json" "$@" >/dev/null || true
     exec "$PYTHON" tests/gpu_plan.py summary "$LOG_DIR/plan.json"
 fi
 
