@@ -15,14 +15,35 @@ from . import archs
 from .logits import tanh as _a_jitted_function
 
 
-def interpreted() -> bool:
-    """True when the kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+def _built_by_the_interpreter() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_a_jitted_function, InterpretedFunction)
 
 
-@functools.lru_cache(maxsize=None)
+# Read once at import: the planner runs inside code torch.compile traces, where a jitted function is
+# not a Python object whose type can be asked.
+_INTERPRETED = _built_by_the_interpreter()
+
+
+def interpreted() -> bool:
+    """True when the kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return _INTERPRETED
+
+
+def _device_constant(query):
+    """``query(device_index)`` asked once per device, and a constant to torch.compile: the planner runs
+    inside traced code, which gets the answer instead of tracing into the CUDA query."""
+    cached = functools.lru_cache(maxsize=None)(query)
+
+    @functools.wraps(query)
+    def constant(device_index: int):
+        return cached(device_index)
+
+    return torch.compiler.assume_constant_result(constant)
+
+
+@_device_constant
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
@@ -37,7 +58,7 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@functools.lru_cache(maxsize=None)
+@_device_constant
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -91,13 +112,13 @@ def rocm_family(gfx: str) -> str:
     return min(same, key=lambda a: a.shared).name
 
 
-@functools.lru_cache(maxsize=None)
+@_device_constant
 def _shared_optin(device_index: int) -> int | None:
     props = torch.cuda.get_device_properties(device_index)
     return getattr(props, "shared_memory_per_block_optin", None)
 
 
-@functools.lru_cache(maxsize=None)
+@_device_constant
 def _gfx(device_index: int) -> str:
     """A ROCm device's gfx name: its ``gcnArchName`` up to the first ':' (``gfx942:sramecc+:xnack-``
     is gfx942), as ``kernels`` checks it against metadata.json's archs."""
