@@ -79,3 +79,36 @@ def test_turning_the_softcap_on_and_off_is_one_class_each():
     torch._dynamo.utils.counters.clear()
     _run(torch.compile(_step, fullgraph=True, dynamic=True, backend=BACKEND), calls, "recompute")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+
+
+def test_the_planner_traces_for_a_gpu_without_tracing_its_queries(monkeypatch):
+    """The planner runs inside traced code (the op's ``apply``) and asks what the GPU is. Each question
+    (capability, SM count, shared memory) is a constant to torch.compile: traced code gets its answer and
+    never traces into the query. The simulated H100's queries break any graph that traces them."""
+    from types import SimpleNamespace
+
+    from fused_linear_ce import device, opargs, plan
+    from fused_linear_ce.validate import Options
+
+    def untraceable(answer):
+        def query(index=None):
+            torch._dynamo.graph_break()  # a no-op when called, fatal to fullgraph when traced
+            return answer
+        return query
+
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=232448, name="H100")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", untraceable((9, 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", untraceable(props))
+    monkeypatch.setattr(device, "_INTERPRETED", False)
+    for probe in ("_capability", "_sm_count", "_shared_optin", "_gfx"):  # fresh caches for this machine
+        monkeypatch.setattr(device, probe, device._device_constant(getattr(device, probe).__wrapped__))
+    gpu = torch.device("cuda", 0)
+
+    def planned(x):
+        p = plan.plan_loss(Options(), x.shape[0], 128256, 4096, torch.bfloat16, [True, True, False], where=gpu)
+        return x + sum(opargs.encode(p))
+
+    torch._dynamo.reset()
+    x = torch.zeros(8192)
+    assert torch.equal(torch.compile(planned, fullgraph=True, backend="eager")(x), planned(x))
