@@ -28,6 +28,17 @@ CDNA_FLAGS = ":sramecc+:xnack-"
 RDNA_PREFIXES = ("gfx10", "gfx11", "gfx12")
 
 
+# The package's cached device queries (`device._device_constant`), each asked once per device index.
+DEVICE_PROBES = ("_capability", "_sm_count", "_shared_optin", "_gfx")
+
+
+def fresh_device_probes(setattr, device) -> None:
+    """Empties the caches of the package's device queries (``device``: its device module), so that they
+    ask the simulated machine."""
+    for probe in DEVICE_PROBES:
+        setattr(device, probe, device._device_constant(getattr(device, probe).__wrapped__))
+
+
 def gcn_arch_name(gfx: str) -> str:
     """gcnArchName as a ROCm torch reports it for a GPU of `gfx`."""
     return gfx if gfx.startswith(RDNA_PREFIXES) else gfx + CDNA_FLAGS

@@ -89,6 +89,7 @@ def test_the_planner_traces_for_a_gpu_without_tracing_its_queries(monkeypatch):
 
     from fused_linear_ce import device, opargs, plan
     from fused_linear_ce.validate import Options
+    from simulated_gpu import fresh_device_probes
 
     def untraceable(answer):
         def query(index=None):
@@ -101,8 +102,7 @@ def test_the_planner_traces_for_a_gpu_without_tracing_its_queries(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", untraceable((9, 0)))
     monkeypatch.setattr(torch.cuda, "get_device_properties", untraceable(props))
     monkeypatch.setattr(device, "_INTERPRETED", False)
-    for probe in ("_capability", "_sm_count", "_shared_optin", "_gfx"):  # fresh caches for this machine
-        monkeypatch.setattr(device, probe, device._device_constant(getattr(device, probe).__wrapped__))
+    fresh_device_probes(monkeypatch.setattr, device)
     gpu = torch.device("cuda", 0)
 
     def planned(x):

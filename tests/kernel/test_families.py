@@ -11,7 +11,6 @@ the bits (``device.bf16_emulation``, tests/kernel/test_bf16_emulation.py), so th
 the GPU's arithmetic with these tiles."""
 
 import dataclasses
-import functools
 import types
 
 import pytest
@@ -23,6 +22,7 @@ from cases import Case, check_three_way
 from conftest import ON_GPU
 from fused_linear_ce import archs, configs, device, pingpong, plan
 from fused_linear_ce.validate import Options
+from simulated_gpu import fresh_device_probes
 
 # (capability, the shared memory a block may opt into, SMs): a GPU of each family, and its family.
 GPUS = {
@@ -66,8 +66,7 @@ def mock_rocm(monkeypatch, gcn_arch, cus=304):
     monkeypatch.setattr(torch.version, "cuda", None)
     props = types.SimpleNamespace(gcnArchName=gcn_arch, multi_processor_count=cus, name="AMD Instinct")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
-    for probe in ("_gfx", "_sm_count", "_capability", "_shared_optin"):
-        monkeypatch.setattr(device, probe, functools.lru_cache(maxsize=None)(getattr(device, probe).__wrapped__))
+    fresh_device_probes(monkeypatch.setattr, device)
     monkeypatch.setattr(device, "_capability", lambda i: pytest.fail("a ROCm GPU's capability was read"))
     monkeypatch.setattr(device, "_index", lambda d: 0)
     monkeypatch.setattr(device, "interpreted", lambda: False)
