@@ -37,13 +37,13 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench import SHAPES, gpu_name, make_data, matmul_precision, reference_and_stats, rel, versions  # noqa: E402
+from bench import SHAPES, gpu_name, make_data, reference_and_stats, reference_gradients, rel, versions  # noqa: E402
 from bench_logprobs import WORKLOADS, workload_loss  # noqa: E402
 
 import fused_linear_ce  # noqa: E402
-from fused_linear_ce import reference  # noqa: E402
 
 MiB = 1 << 20
+GEMMA_SOFTCAP = 30.0  # Gemma-2's final logit softcap
 SETTINGS = {
     "eval": None,
     "default": dict(),
@@ -64,8 +64,8 @@ SETTINGS = {
     "master-448M": dict(chunk_bytes=448 * MiB),
     "master-recompute": dict(strategy="recompute"),
     # Gemma-2-like: a softcapped loss with a bias (the chunked sweep's epilogue tiles differ for it)
-    "softcap-bias": dict(softcap=30.0),
-    "softcap-bias-chunked": dict(softcap=30.0, strategy="chunked", chunk_bytes=1 << 50),
+    "softcap-bias": dict(softcap=GEMMA_SOFTCAP),
+    "softcap-bias-chunked": dict(softcap=GEMMA_SOFTCAP, strategy="chunked", chunk_bytes=1 << 50),
 }
 MASTER = ("master", "master-448M", "master-recompute")
 SOFTCAP_BIAS = ("softcap-bias", "softcap-bias-chunked")
@@ -75,16 +75,6 @@ def make_bias(weight):
     """The bias of the softcap-bias settings: fixed, of the order of trained lm-head biases."""
     g = torch.Generator(weight.device).manual_seed(2)
     return (0.1 * torch.randn(weight.shape[0], generator=g, device=weight.device)).to(weight.dtype)
-
-
-def softcap_bias_reference(hidden, weight, targets, bias, softcap=30.0):
-    """dX, dW, dB of the mean softcapped loss with fp32 logits (tf32 matmuls, as bench.py's reference)."""
-    chunk = max(1, min(hidden.shape[0], (2 << 30) // (4 * weight.shape[0])))
-    with matmul_precision("tf32", hidden.device):
-        _, count, dx, dw, db = reference.chunked_linear_cross_entropy(hidden, weight, targets, bias, chunk=chunk,
-                                                                      softcap=softcap)
-    c = count.item()
-    return dx.div_(c), dw.div_(c), db.div_(c)
 
 
 def load_copy(name, path):
@@ -206,7 +196,8 @@ def main():
                                extra_mib=(torch.cuda.max_memory_allocated() - base) / MiB, times=[])
                     if setting in SOFTCAP_BIAS:
                         if capped is None:
-                            capped = softcap_bias_reference(hidden, weight, targets, run.bias)
+                            _, *capped = reference_gradients(hidden, weight, targets, "tf32", run.bias,
+                                                             softcap=GEMMA_SOFTCAP)
                         row.update(dx_err=rel(hl.grad, capped[0]), dw_err=rel(wl.grad, capped[1]),
                                    db_err=rel(run.bias.grad, capped[2]))
                     elif hl is not None:

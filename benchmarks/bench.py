@@ -209,16 +209,28 @@ class matmul_precision:
         torch.set_float32_matmul_precision(self.prev)
 
 
+def reference_gradients(hidden, weight, targets, precision, bias=None, **options):
+    """The fp32-logit reference of the mean loss with ``options`` (softcap, ...): (loss, dX, dW, dB or None),
+    ``reference_rows`` rows at a time."""
+    with matmul_precision(precision, hidden.device):
+        loss_sum, count, dx, dw, db = reference.chunked_linear_cross_entropy(
+            hidden, weight, targets, bias, chunk=reference_rows(hidden, weight), **options)
+    c = count.item()
+    return loss_sum.item() / c, dx.div_(c), dw.div_(c), (db.div_(c) if db is not None else None)
+
+
+def reference_rows(hidden, weight):
+    """The rows of a reference chunk: ~2 GiB of fp32 logits."""
+    return max(1, min(hidden.shape[0], (2 << 30) // (4 * weight.shape[0])))
+
+
 def reference_and_stats(hidden, weight, targets, precision):
     """The fp32-logit reference (mean loss, dX, dW) and what the data look like."""
-    n, v = hidden.shape[0], weight.shape[0]
-    chunk = max(1, min(n, (2 << 30) // (4 * v)))  # ~2 GiB of fp32 logits a chunk
+    loss, dx, dw, _ = reference_gradients(hidden, weight, targets, precision)
+    chunk = reference_rows(hidden, weight)
     with matmul_precision(precision, hidden.device):
-        loss_sum, count, dx, dw, _ = reference.chunked_linear_cross_entropy(hidden, weight, targets, chunk=chunk)
-        c = count.item()
-        rows = min(n, 4096)
         p_t, std, margin = [], [], []
-        for r in range(0, rows, chunk):
+        for r in range(0, min(hidden.shape[0], 4096), chunk):
             z = reference.logits(hidden[r : r + chunk], weight, compute_dtype=torch.float32)
             z_t = z.gather(1, targets[r : r + chunk, None])[:, 0]
             p_t.append((z_t - torch.logsumexp(z, -1)).exp())
@@ -229,9 +241,9 @@ def reference_and_stats(hidden, weight, targets, precision):
         mean_p_target=torch.cat(p_t).mean().item(),
         logit_std=torch.cat(std).mean().item(),
         target_margin=torch.cat(margin).mean().item(),
-        ref_loss=loss_sum.item() / c,
+        ref_loss=loss,
     )
-    return loss_sum.item() / c, dx.div_(c), dw.div_(c), stats
+    return loss, dx, dw, stats
 
 
 def rel(a, b):
