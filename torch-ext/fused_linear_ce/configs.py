@@ -135,7 +135,7 @@ def chunked_epilogue(cfg: TileConfig, softcap: bool, bias: bool) -> TileConfig:
     """The chunked sweep's tiles for a call with both a softcap and a bias: its epilogue keeps the bias
     tile and the softcap's tanh derivative live beside the logits, so 128 x 256 tiles with two
     warpgroups spill 808 B a thread (sm_90, Triton 3.6, ``scripts/registers.py``); 128 x 128 with the
-    same warps spill none, and run faster (benchmarks/NOTES.md v36). Other calls keep ``cfg``."""
+    same warps spill none and run faster on sm_90. Other calls keep ``cfg``."""
     if softcap and bias and cfg.block_v > 128:
         return replace(cfg, block_v=128)
     return cfg
